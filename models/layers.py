@@ -1,0 +1,120 @@
+"""Basic layers: Linear (the quantization seam), RMSNorm, Embed.
+
+Every parameter carries ``logical_axes`` metadata (names from ``sharding.LOGICAL_AXES``); the
+rule table in ``sharding.py`` maps them onto mesh axes. Parameters are stored in
+``param_dtype`` and cast to the compute ``dtype`` at use (mixed precision).
+
+``Linear`` is the seam for quantized and low-precision matmuls: ``make_linear`` looks the
+config's ``linear`` kind up in ``LINEAR_KINDS``; FP4 training and W4A4 register their own
+classes with the same constructor signature and the same parameter names (``kernel``,
+``bias``) so that checkpoints and sharding rules keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallasite.models.config import ModelConfig
+
+
+def dtype_of(name) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def _normal(stddev: float):
+    return jax.nn.initializers.normal(stddev=stddev)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel layout [in, out] (HF stores [out, in])."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        cfg: ModelConfig,
+        axes: Sequence[Optional[str]],
+        use_bias: bool = False,
+        init_std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype_of(cfg.dtype)
+        pdt = dtype_of(cfg.param_dtype)
+        self.kernel = nnx.Param(
+            _normal(init_std)(rngs.params(), (in_features, out_features), pdt), logical_axes=tuple(axes)
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), pdt), logical_axes=(axes[-1],)) if use_bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+LINEAR_KINDS: dict[str, Callable[..., nnx.Module]] = {"float": Linear}
+
+
+def register_linear(kind: str, cls: Callable[..., nnx.Module]) -> None:
+    LINEAR_KINDS[kind] = cls
+
+
+def make_linear(in_features, out_features, *, cfg: ModelConfig, axes, use_bias=False, init_std=0.02, rngs):
+    try:
+        cls = LINEAR_KINDS[cfg.linear]
+    except KeyError:
+        raise ValueError(f"linear={cfg.linear!r} is not a registered linear kind; known: {sorted(LINEAR_KINDS)}") from None
+    return cls(in_features, out_features, cfg=cfg, axes=axes, use_bias=use_bias, init_std=init_std, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, HF convention: x / rms(x) * w."""
+
+    def __init__(self, dim: int, *, cfg: ModelConfig, eps: Optional[float] = None, axis_name: str = "norm",
+                 rngs: nnx.Rngs | None = None):
+        self.eps = cfg.norm_eps if eps is None else eps
+        self.dtype = dtype_of(cfg.dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), logical_axes=(axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps).astype(self.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * scale.astype(jnp.float32)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; ``attend`` gives tied-embedding logits."""
+
+    def __init__(self, vocab_size: int, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.dtype = dtype_of(cfg.dtype)
+        self.embedding = nnx.Param(
+            _normal(0.02)(rngs.params(), (vocab_size, dim), dtype_of(cfg.param_dtype)), logical_axes=("vocab", "embed")
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu":  # tanh approximation (HF "gelu_pytorch_tanh")
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "gelu_exact":  # erf GELU (HF "gelu")
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"unknown activation {name!r}; expected silu | gelu | gelu_exact")

@@ -1,0 +1,80 @@
+"""Reference attention in plain jnp: causal, grouped-query, segment / padding masks,
+optional sliding window, float32 softmax. Every attention kernel is tested against this.
+
+Masking is expressed through *positions* rather than array indices, so the same function
+serves training (q and k are the same packed sequence), prefill and decode over a
+preallocated KV cache (k positions = cache slot indices): key j is visible to query i iff
+``k_pos[j] <= q_pos[i]`` (causal), ``q_pos[i] - k_pos[j] < window`` (sliding window),
+``q_seg[i] == k_seg[j]`` (packing), and ``k_valid[j]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite: fully masked rows give uniform weights instead of NaN
+
+
+def attention_mask(
+    q_positions_BT: jax.Array,
+    k_positions_BS: jax.Array,
+    *,
+    causal: bool = True,
+    sliding_window: Optional[int] = None,
+    q_segment_ids_BT: Optional[jax.Array] = None,
+    k_segment_ids_BS: Optional[jax.Array] = None,
+    k_valid_BS: Optional[jax.Array] = None,
+) -> jax.Array:
+    """Boolean mask [B, T, S]."""
+    qp = q_positions_BT[:, :, None]
+    kp = k_positions_BS[:, None, :]
+    mask = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), bool)
+    if causal:
+        mask &= kp <= qp
+    if sliding_window is not None:
+        mask &= (qp - kp) < sliding_window
+    if q_segment_ids_BT is not None and k_segment_ids_BS is not None:
+        mask &= q_segment_ids_BT[:, :, None] == k_segment_ids_BS[:, None, :]
+    if k_valid_BS is not None:
+        mask &= k_valid_BS[:, None, :]
+    return mask
+
+
+def attention(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    *,
+    q_positions_BT: Optional[jax.Array] = None,
+    k_positions_BS: Optional[jax.Array] = None,
+    causal: bool = True,
+    sliding_window: Optional[int] = None,
+    q_segment_ids_BT: Optional[jax.Array] = None,
+    k_segment_ids_BS: Optional[jax.Array] = None,
+    k_valid_BS: Optional[jax.Array] = None,
+    scale: Optional[float] = None,
+) -> jax.Array:
+    """Grouped-query attention. q: [B,T,H,D]; k, v: [B,S,K,D] with H % K == 0 → [B,T,H,D]."""
+    B, T, H, D = q_BTHD.shape
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {K} key/value heads")
+    G = H // K
+    if q_positions_BT is None:
+        q_positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+    if k_positions_BS is None:
+        k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    scale = D ** -0.5 if scale is None else scale
+    q = q_BTHD.reshape(B, T, K, G, D)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32) * scale
+    mask = attention_mask(
+        q_positions_BT, k_positions_BS, causal=causal, sliding_window=sliding_window,
+        q_segment_ids_BT=q_segment_ids_BT, k_segment_ids_BS=k_segment_ids_BS, k_valid_BS=k_valid_BS,
+    )
+    logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, D).astype(q_BTHD.dtype)

@@ -1,0 +1,166 @@
+"""Mesh construction and logical-axis sharding rules.
+
+Model code names *logical* axes on every parameter (``logical_axes`` metadata: batch, seq,
+embed, q_heads, kv_heads, head_dim, mlp, vocab, expert, layers, norm). A rule table — a tuple
+of ``(logical_axis, mesh_axes)`` pairs, overridable from the config — maps them onto the mesh
+axes ``data, fsdp, tensor, expert``. Any mesh axis may have size 1. A dimension whose size is
+not divisible by its mesh axes is replicated instead (and reported by ``explain``), so tiny
+test models run on any mesh.
+
+``shard_map`` is reserved for code where communication is the algorithm (MoE dispatch);
+everything else is plain ``jax.jit`` with ``in_shardings``/``out_shardings`` from here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Activations: batch over data × fsdp (× expert: experts are data-parallel outside MoE layers).
+# Weights: FSDP on the embed dimension, tensor parallelism on heads / mlp / vocab.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("seq", None),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None, devices=None) -> Mesh:
+    """Mesh with axes (data, fsdp, tensor, expert). ``shape`` maps axis → size; a size of -1
+    takes the remaining devices. Axis types are Auto so plain arrays can enter jit/shard_map."""
+    devices = list(jax.devices() if devices is None else devices)
+    if shape is None:
+        shape = {"data": -1}
+    if not isinstance(shape, Mapping):
+        shape = dict(zip(MESH_AXES, shape))
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh: unknown axis name(s) {unknown}; expected a subset of {MESH_AXES}")
+    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes' product {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    total = math.prod(sizes)
+    if total > len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {total} devices, only {len(devices)} available")
+    arr = np.asarray(devices[:total]).reshape(sizes)
+    return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def rules_from_config(rules: Optional[Iterable] = None) -> tuple[tuple[str, Any], ...]:
+    """Normalise a rule table (list of pairs or mapping) and let it override the defaults."""
+    table = dict(DEFAULT_RULES)
+    if rules:
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        for name, axes in items:
+            if isinstance(axes, list):
+                axes = tuple(axes)
+            for a in (axes if isinstance(axes, tuple) else (axes,)):
+                if a is not None and a not in MESH_AXES:
+                    raise ValueError(f"sharding rule {name!r} -> {axes!r}: {a!r} is not a mesh axis {MESH_AXES}")
+            table[name] = axes
+    return tuple(table.items())
+
+
+def _mesh_axes_for(name: Optional[str], rules) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    table = dict(rules)
+    if name not in table:
+        raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+    axes = table[name]
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def logical_to_spec(logical_axes: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh, rules) -> P:
+    """PartitionSpec for an array of ``shape`` whose dims are named ``logical_axes``.
+
+    Mesh axes of size 1, axes already used by an earlier dim, and axes that do not divide the
+    dim are dropped (the dim is then replicated over them)."""
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(logical_axes, shape):
+        chosen = []
+        size = 1
+        for a in _mesh_axes_for(name, rules):
+            n = mesh.shape[a]
+            if n == 1 or a in used or dim % (size * n):
+                continue
+            chosen.append(a)
+            size *= n
+        used.update(chosen)
+        spec.append(None if not chosen else (chosen[0] if len(chosen) == 1 else tuple(chosen)))
+    return P(*spec)
+
+
+def _variable_axes(var: nnx.Variable) -> tuple:
+    axes = tuple(var.get_metadata().get("logical_axes", ()))
+    ndim = np.ndim(var[...]) if not hasattr(var[...], "ndim") else var[...].ndim
+    if len(axes) < ndim:  # stacked (scanned) layers, or metadata missing: leading dims replicated
+        axes = ("layers",) * (ndim - len(axes)) + axes
+    return axes[:ndim]
+
+
+def state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """A pytree of NamedSharding matching ``state`` (an nnx.State or any pytree of Variables)."""
+
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            value = x[...]
+            return NamedSharding(mesh, logical_to_spec(_variable_axes(x), value.shape, mesh, rules))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_state(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def batch_spec(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2, batch_size: Optional[int] = None) -> P:
+    axes = [a for a in _mesh_axes_for("batch", rules) if mesh.shape[a] > 1]
+    if batch_size is not None:
+        kept, size = [], 1
+        for a in axes:
+            if batch_size % (size * mesh.shape[a]) == 0:
+                kept.append(a)
+                size *= mesh.shape[a]
+        axes = kept
+    first = None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+    return P(first, *([None] * (ndim - 1)))
+
+
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2, batch_size: Optional[int] = None) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(mesh, rules, ndim, batch_size))
+
+
+def explain(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> list[str]:
+    """Human-readable lines 'path shape -> spec' (for logs and debugging)."""
+    lines = []
+    for path, var in nnx.to_flat_state(state):
+        value = var[...]
+        spec = logical_to_spec(_variable_axes(var), value.shape, mesh, rules)
+        lines.append(f"{'/'.join(map(str, path))} {tuple(value.shape)} {_variable_axes(var)} -> {spec}")
+    return lines

@@ -1,0 +1,28 @@
+"""Test environment: CPU, 8 host devices, persistent compilation cache, no hub access.
+
+Everything here runs before any test module imports jax.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+_CACHE = os.environ.get(
+    "PALLASITE_TEST_JAX_CACHE", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax_cache")
+)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def tmp_session_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("session")
