@@ -1,0 +1,180 @@
+"""The small public API (Gemma-style): ``load``, ``Model``, ``generate``.
+
+    model = pallasite.load("path/to/hf_folder" | "model.gguf" | "pallasite_ckpt/")
+    logits = model.logits(ids)                              # float32 [batch, seq, vocab]
+    texts = pallasite.generate(model, ["Hello"], max_new_tokens=16)
+    model.save("out/", format="hf" | "orbax")
+
+These names are used from Colab and by external checks: keep them stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallasite.models.config import ModelConfig
+from pallasite.models.transformer import abstract_model, forward
+
+ORBAX_MARKER = "pallasite_model.json"
+
+
+@dataclasses.dataclass
+class Model:
+    """A model ready for inference: config, split NNX state and (optionally) a tokenizer."""
+
+    config: ModelConfig
+    state: Any
+    tokenizer: Any = None
+    graphdef: Any = None
+
+    def __post_init__(self):
+        if self.graphdef is None:
+            self.graphdef = nnx.split(abstract_model(self.config))[0]
+
+    # -------------------------------------------------------------- inference
+    @functools.cached_property
+    def _logits_fn(self):
+        graphdef = self.graphdef
+        return jax.jit(lambda state, ids: forward(graphdef, state, ids)[0])
+
+    def logits(self, ids) -> jax.Array:
+        """float32 logits [batch, seq, vocab] for an int array of token ids ([seq] or [batch, seq])."""
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"Model.logits expects integer token ids, got dtype {ids.dtype}")
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ValueError(f"Model.logits expects ids of shape [seq] or [batch, seq], got {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]"
+            )
+        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32))
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids instead of strings")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: cannot decode ids to text")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ----------------------------------------------------------------- saving
+    def save(self, path: str, format: str = "hf") -> str:
+        """Write the model to ``path``: ``hf`` (config.json + safetensors) or ``orbax``."""
+        os.makedirs(path, exist_ok=True)
+        if format == "hf":
+            from pallasite.models.hf import export_hf
+
+            export_hf(self.config, self.state, path)
+        elif format == "orbax":
+            import orbax.checkpoint as ocp
+
+            params_dir = os.path.abspath(os.path.join(path, "params"))
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(params_dir, nnx.to_pure_dict(self.state), force=True)
+            with open(os.path.join(path, ORBAX_MARKER), "w") as f:
+                json.dump({"format": "pallasite-orbax", "version": 1, "config": self.config.to_dict()}, f, indent=1)
+        else:
+            raise ValueError(f"Model.save: format={format!r}; expected 'hf' or 'orbax'")
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        return path
+
+
+def _load_tokenizer_if_present(folder: str):
+    if any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        from pallasite.models.tokenizer import load_tokenizer
+
+        return load_tokenizer(folder)
+    return None
+
+
+def _load_orbax(path: str, dtype=None) -> Model:
+    import orbax.checkpoint as ocp
+
+    with open(os.path.join(path, ORBAX_MARKER)) as f:
+        meta = json.load(f)
+    cfg = ModelConfig.from_dict(meta["config"])
+    if dtype is not None:
+        cfg = cfg.replace(param_dtype=str(jnp.dtype(dtype)), dtype=str(jnp.dtype(dtype)))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract_state))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.abspath(os.path.join(path, "params")), target)
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    return Model(cfg, abstract_state, _load_tokenizer_if_present(path), graphdef)
+
+
+def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
+    """Load a model from an HF folder, a GGUF file, a pallasite orbax model folder, or a training
+    workdir (latest checkpoint)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"pallasite.load: {path!r} does not exist")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            from pallasite.models.gguf import import_gguf
+
+            cfg, state, tokenizer = import_gguf(path, dtype=dtype)
+            return Model(cfg, state, tokenizer)
+        raise ValueError(f"pallasite.load: {path!r} is a file but not a .gguf; expected a GGUF file or a folder")
+    if os.path.exists(os.path.join(path, ORBAX_MARKER)):
+        return _load_orbax(path, dtype)
+    if os.path.exists(os.path.join(path, "config.json")):
+        from pallasite.models.hf import import_hf
+
+        cfg, state = import_hf(path, dtype=dtype)
+        return Model(cfg, state, _load_tokenizer_if_present(path))
+    for sub in ("model", "final_model", "export"):
+        if os.path.isdir(os.path.join(path, sub)):
+            return load(os.path.join(path, sub), dtype=dtype)
+    raise ValueError(
+        f"pallasite.load: cannot tell what {path!r} holds; expected a GGUF file, an HF folder with "
+        f"config.json + *.safetensors, or a pallasite folder with {ORBAX_MARKER}"
+    )
+
+
+def generate(
+    model: Model,
+    prompts: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: int = 0,
+    stop_tokens: Optional[Sequence[int]] = None,
+    stream=None,
+) -> list:
+    """Complete each prompt. Prompts are strings (needs a tokenizer) or lists of token ids.
+
+    Returns completions as strings when the model has a tokenizer, else lists of token ids.
+    Generation stops at ``stop_tokens`` (default: the model's eos ids) or ``max_new_tokens``."""
+    from pallasite.inference.engine import generate_ids
+
+    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    prompt_ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if stop_tokens is None:
+        stop_tokens = list(model.config.eos_token_id or ())
+        if not stop_tokens and model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            stop_tokens = [model.tokenizer.eos_token_id]
+    out_ids = generate_ids(
+        model.graphdef, model.state, model.config, prompt_ids, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=tuple(stop_tokens), stream=stream,
+    )
+    if model.tokenizer is None:
+        return out_ids
+    return [model.decode(ids) for ids in out_ids]

@@ -1,0 +1,145 @@
+"""The ``pallasite`` console script (big_vision style).
+
+    pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.train.steps=200 ...]
+    pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
+    pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
+    pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _split_config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--config.a.b=v`` (or ``--config.a.b v``) overrides from ordinary flags."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            key = arg[len("--config."):]
+            if "=" not in key:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"pallasite: override {arg} needs a value (--config.key=value)")
+                key = f"{key}={argv[i + 1]}"
+                i += 1
+            overrides.append(key)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def _cmd_train(args, overrides):
+    from pallasite.configs import load_config
+    from pallasite.training.loop import train
+
+    config = load_config(args.config, overrides=overrides)
+    result = train(config, args.workdir)
+    print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
+
+
+def _cmd_generate(args, overrides):
+    import pallasite
+
+    model = pallasite.load(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise SystemExit(f"pallasite generate: {args.model!r} has no tokenizer; cannot take a text prompt")
+    prompt = args.prompt
+    if args.chat:
+        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                     add_generation_prompt=True)
+    print(args.prompt, end="", flush=True)
+
+    def stream(new_tokens):
+        print(model.decode([int(t) for t in new_tokens[0] if t >= 0]), end="", flush=True)
+
+    pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream)
+    print()
+
+
+def _cmd_eval(args, overrides):
+    import numpy as np
+
+    import pallasite
+    from pallasite.eval.perplexity import perplexity
+
+    model = pallasite.load(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise SystemExit(f"pallasite eval: {args.model!r} has no tokenizer")
+    if args.data == "stdlib":
+        from pallasite.training.data import stdlib_texts
+
+        texts = stdlib_texts(split="eval")
+    elif args.data.endswith(".jsonl"):
+        with open(args.data) as f:
+            texts = [json.loads(line)[args.field] for line in f if line.strip()]
+    else:
+        with open(args.data) as f:
+            texts = [f.read()]
+    ids = []
+    for t in texts:
+        ids.extend(model.encode(t))
+        if len(ids) >= args.seq_len * args.max_windows:
+            break
+    result = perplexity(model.logits, np.asarray(ids), args.seq_len, max_windows=args.max_windows)
+    print(json.dumps({"model": args.model, "data": args.data, **result}))
+
+
+def _cmd_convert(args, overrides):
+    import pallasite
+
+    model = pallasite.load(args.input, dtype=args.dtype)
+    model.save(args.output, format=args.to)
+    print(f"wrote {args.to} model to {args.output}")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, overrides = _split_config_overrides(argv)
+    parser = argparse.ArgumentParser(prog="pallasite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train from a config file")
+    p.add_argument("--config", required=True, help="config file with get_config(arg); 'file.py:arg' passes arg")
+    p.add_argument("--workdir", required=True)
+    p.set_defaults(fn=_cmd_train)
+
+    for name, fn, help_ in (("generate", _cmd_generate, "generate text"), ("eval", _cmd_eval, "perplexity"),
+                            ("convert", _cmd_convert, "convert between formats")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--dtype", default=None, help="load weights as this dtype (e.g. bfloat16)")
+        if name == "convert":
+            p.add_argument("--input", required=True)
+            p.add_argument("--output", required=True)
+            p.add_argument("--to", choices=("hf", "orbax"), required=True)
+        else:
+            p.add_argument("--model", required=True, help="HF folder, .gguf file or pallasite checkpoint")
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+            p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+            p.add_argument("--max-new-tokens", type=int, default=64)
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--top-k", type=int, default=None)
+            p.add_argument("--top-p", type=float, default=None)
+            p.add_argument("--seed", type=int, default=0)
+        if name == "eval":
+            p.add_argument("--data", default="stdlib", help="stdlib | FILE.txt | FILE.jsonl")
+            p.add_argument("--field", default="text", help="jsonl field holding the text")
+            p.add_argument("--seq-len", type=int, default=512)
+            p.add_argument("--max-windows", type=int, default=64)
+        p.set_defaults(fn=fn)
+
+    args = parser.parse_args(argv)
+    if overrides and args.command != "train":
+        parser.error(f"--config.* overrides only apply to 'train', got {overrides}")
+    args.fn(args, overrides)
+
+
+if __name__ == "__main__":
+    main()
