@@ -1,0 +1,236 @@
+"""Mixture of Lookup Experts (MoLE) — Jie et al., "Mixture of Lookup Experts", ICML 2025
+(arXiv 2503.15798; official code github.com/JieShibo/MoLE, read: ``modeling_mole.py``,
+``modeling_mole_rep.py``, ``reparameterize.py``).
+
+The FFN of every decoder layer ``l`` (registered as ``ffn="mole"``, sub-config ``ModelConfig.mole``)::
+
+    u      = RMSNorm_post(h)                      # done by the Block (post_attn_norm)
+    g      = softmax(u · R_l)                     # R_l ∈ R^{d×N}; float32; ALL N experts (no top-k)
+    n_l    = RMSNorm_l(e)                         # e = embedding-layer output, a per-layer norm
+    E_lj   = W_down^{lj} · GELU(W_up^{lj} · n_l)  # non-gated 2-matrix MLP, exact erf GELU
+    out    = h + FFN_shared(u) + Σ_j g_j · E_lj(n_l)
+
+``FFN_shared`` is the same non-gated GELU MLP of width D_s on ``u``; the experts have width
+D_r (``d_expert``, default D_r = D_s as in the paper's Table 2). There is no auxiliary loss:
+the FFN's aux dict is always empty, so training minimises cross-entropy only (paper §3; the
+ablation in Table 8 shows that load-balancing / z-losses hurt).
+
+Because the experts see only ``e`` (a function of the token id), after training each expert is
+re-parameterised into a lookup table ``LUT[id, l, j] = E_lj(RMSNorm_l(Embed[id]))`` of layout
+``[vocab, layer, expert, d]`` (``models/mole_lut.py``). In ``mode="lut"`` this module holds
+**no** expert parameters and no expert norm: it reads the rows of the current tokens from the
+``lut_rows`` variable ``[B, T, N, d]`` that the caller fills per step (see
+``inference/mole_decode.py``), so device-resident parameters are exactly the dense model's plus
+the routers (``d·N`` per layer).
+
+Defaults and deviations (all deliberate, all stated):
+
+* ``n_experts = 4`` (the paper trains N = 4 and 16); ``d_expert = None`` → D_r = ``cfg.d_ff``.
+* Router logits are computed in float32 (issue / paper text). The official code computes
+  the router matmul in the activation dtype and only the softmax in float32; identical in fp32.
+* The gate weights ``g`` are cast to the compute dtype before the weighted sum, as in the
+  official ``router_value.to(hidden_states.dtype)``.
+* ``n_experts = 0`` gives the paper's *dense* baseline (Pythia-style non-gated GELU MLP of
+  width D_s, no router): the core ``DenseFFN`` is SwiGLU, so this keeps the dense baseline
+  architecturally identical to MoLE minus the experts (needed for the equal-activated-
+  parameter comparisons and for the "device bytes = dense + routers" check).
+* Parameters follow the seams: the shared FFN uses ``make_linear`` (so FP4 / W4A4 linear kinds
+  apply to it), the router and the stacked experts are plain parameters (they are never
+  quantized: experts vanish into the LUT before inference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallasite.models.config import ModelConfig, register_sub_config
+from pallasite.models.ffn import register_ffn
+from pallasite.models.layers import RMSNorm, activation, dtype_of, make_linear, rms_norm
+
+MOLE_MODES = ("train", "lut")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoLEConfig:
+    """Sub-config ``ModelConfig.mole``.
+
+    n_experts: N routed lookup experts per layer (0 → the dense baseline, shared FFN only).
+    d_expert: D_r, hidden width of each routed expert (None → cfg.d_ff = D_s).
+    d_shared: D_s, hidden width of the shared FFN (None → cfg.d_ff).
+    mode: "train" (experts are FFNs over the normed embedding) or "lut" (experts replaced by
+      per-step rows of the re-parameterised lookup table; no expert parameters exist).
+    activation: "gelu_exact" (torch ``nn.GELU()``, the paper's) — "gelu" (tanh) only for ablations.
+    lut_dtype: storage dtype of the LUT ("float16" as in the official ``.half()``; "bfloat16";
+      "float32" for exactness tests).
+    """
+
+    n_experts: int = 4
+    d_expert: Optional[int] = None
+    d_shared: Optional[int] = None
+    mode: str = "train"
+    activation: str = "gelu_exact"
+    lut_dtype: str = "float16"
+
+    def __post_init__(self):
+        if int(self.n_experts) < 0:
+            raise ValueError(f"MoLEConfig.n_experts must be >= 0, got {self.n_experts!r}")
+        for name in ("d_expert", "d_shared"):
+            v = getattr(self, name)
+            if v is not None and int(v) <= 0:
+                raise ValueError(f"MoLEConfig.{name} must be a positive integer or None, got {v!r}")
+        if self.mode not in MOLE_MODES:
+            raise ValueError(f"MoLEConfig.mode={self.mode!r}; expected one of {MOLE_MODES}")
+        if self.activation not in ("gelu_exact", "gelu", "silu"):
+            raise ValueError(f"MoLEConfig.activation={self.activation!r}; expected gelu_exact | gelu | silu")
+        if self.lut_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"MoLEConfig.lut_dtype={self.lut_dtype!r}; expected float16 | bfloat16 | float32")
+
+    def replace(self, **changes) -> "MoLEConfig":
+        return dataclasses.replace(self, **changes)
+
+
+register_sub_config("mole", MoLEConfig)
+
+
+def mole_config_of(cfg: ModelConfig) -> MoLEConfig:
+    if cfg.ffn != "mole":
+        raise ValueError(f"ModelConfig.ffn={cfg.ffn!r}; a MoLE model needs ffn='mole'")
+    m = cfg.mole
+    if m is None:
+        return MoLEConfig()
+    if isinstance(m, dict):
+        return MoLEConfig(**m)
+    if not isinstance(m, MoLEConfig):
+        raise ValueError(f"ModelConfig.mole must be a MoLEConfig, got {type(m).__name__}")
+    return m
+
+
+class LUTRows(nnx.Variable):
+    """Per-step lookup-table rows ``[B, T, N, d]`` of the tokens being processed (LUT mode).
+
+    Not a parameter (no gradient, not counted as model weights): the decode loop writes the
+    rows fetched from the host / disk LUT store into it before each forward."""
+
+
+class GeluMLP(nnx.Module):
+    """Non-gated two-matrix MLP ``down(act(up(x)))`` (Pythia / the paper's shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, d_hidden: int, act: str, *, rngs: nnx.Rngs):
+        self.act = activation(act)
+        self.up_proj = make_linear(cfg.d_model, d_hidden, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs)
+        self.down_proj = make_linear(d_hidden, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs)
+
+    def __call__(self, x_BTD):
+        return self.down_proj(self.act(self.up_proj(x_BTD)))
+
+
+def experts_forward(n_XD: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act: str, dtype) -> jax.Array:
+    """All N routed experts on the same input: ``[..., D] -> [..., N, D]`` (pure function;
+    shared by the training-mode FFN and the LUT builder so both compute the same numbers)."""
+    f = activation(act)
+    h = jnp.einsum("...d,ndf->...nf", n_XD.astype(dtype), up_NDF.astype(dtype))
+    return jnp.einsum("...nf,nfd->...nd", f(h), down_NFD.astype(dtype))
+
+
+class RoutedExperts(nnx.Module):
+    """N stacked non-gated GELU experts (weights ``up [N, D, F]``, ``down [N, F, D]``)."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, d_expert: int, act: str, *, rngs: nnx.Rngs):
+        pdt = dtype_of(cfg.param_dtype)
+        init = jax.nn.initializers.normal(0.02)
+        self.act, self.dtype = act, dtype_of(cfg.dtype)
+        self.up = nnx.Param(init(rngs.params(), (n_experts, cfg.d_model, d_expert), pdt),
+                            logical_axes=("expert", "embed", "expert_mlp"))
+        self.down = nnx.Param(init(rngs.params(), (n_experts, d_expert, cfg.d_model), pdt),
+                              logical_axes=("expert", "expert_mlp", "embed"))
+
+    def __call__(self, n_BTD):
+        return experts_forward(n_BTD, self.up[...], self.down[...], self.act, self.dtype)
+
+
+class MoLEFFN(nnx.Module):
+    """The MoLE feed-forward block (see the module docstring for the equations)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m = mole_config_of(cfg)
+        self.n_experts, self.mode = int(m.n_experts), m.mode
+        self.d_model = cfg.d_model
+        self.dtype = dtype_of(cfg.dtype)
+        self.shared = GeluMLP(cfg, m.d_shared or cfg.d_ff, m.activation, rngs=rngs)
+        if self.n_experts:
+            self.router = nnx.Param(
+                jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.d_model, self.n_experts), dtype_of(cfg.param_dtype)),
+                logical_axes=("embed", None),
+            )
+        else:
+            self.router = None
+        if self.n_experts and self.mode == "train":
+            self.expert_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
+            self.experts = RoutedExperts(cfg, self.n_experts, m.d_expert or cfg.d_ff, m.activation, rngs=rngs)
+        else:
+            self.expert_norm = self.experts = None
+        # Placeholder until the decode loop writes this step's rows (see ``set_lut_rows``).
+        self.lut_rows = LUTRows(jnp.zeros((0,), jnp.float32)) if (self.n_experts and self.mode == "lut") else None
+
+    def gates(self, u_BTD: jax.Array) -> jax.Array:
+        """g = softmax(u · R) over all N experts, in float32: ``[B, T, N]``."""
+        logits = jnp.dot(u_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        return jax.nn.softmax(logits, axis=-1)
+
+    def expert_outputs(self, embed_BTD: jax.Array) -> jax.Array:
+        """E_lj(RMSNorm_l(e)) for all j: ``[B, T, N, D]`` (training mode only)."""
+        return self.experts(self.expert_norm(embed_BTD))
+
+    def __call__(self, x_BTD, *, token_ids_BT=None, embed_BTD=None):
+        y = self.shared(x_BTD)
+        if not self.n_experts:
+            return y, {}
+        B, T, _ = x_BTD.shape
+        if self.mode == "train":
+            if embed_BTD is None:
+                raise ValueError("MoLE FFN needs embed_BTD (the embedding-layer output); the Block must pass it")
+            e_BTND = self.expert_outputs(embed_BTD)
+        else:
+            e_BTND = self.lut_rows[...]
+            want = (B, T, self.n_experts, self.d_model)
+            if tuple(e_BTND.shape) != want:
+                raise ValueError(
+                    f"MoLE FFN in LUT mode: lut_rows has shape {tuple(e_BTND.shape)}, expected {want} "
+                    "([B, T, N, d] for the tokens of this call). Fill it with "
+                    "pallasite.inference.mole_decode.set_lut_rows (or use lut_forward) before the forward."
+                )
+        g_BTN = self.gates(x_BTD).astype(self.dtype)
+        mix = jnp.einsum("btn,btnd->btd", g_BTN, e_BTND.astype(self.dtype))
+        return y + mix, {}
+
+
+register_ffn("mole", MoLEFFN)
+
+
+# ----------------------------------------------------------------------------- accounting
+def activated_ffn_params(cfg: ModelConfig) -> int:
+    """Per-layer FFN parameters touched per token at inference (paper's "activated"):
+    shared FFN + router; the experts are lookups (0 FLOPs, 0 resident parameters)."""
+    m = mole_config_of(cfg)
+    ds = m.d_shared or cfg.d_ff
+    return 2 * cfg.d_model * ds + (cfg.d_model * m.n_experts if m.n_experts else 0)
+
+
+def training_ffn_params(cfg: ModelConfig) -> int:
+    """Per-layer FFN parameters during training (shared + router + expert norm + N experts)."""
+    m = mole_config_of(cfg)
+    if not m.n_experts:
+        return activated_ffn_params(cfg)
+    dr = m.d_expert or cfg.d_ff
+    return activated_ffn_params(cfg) + cfg.d_model + m.n_experts * 2 * cfg.d_model * dr
+
+
+def lut_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
+    """Bytes of LUT moved to the device per processed token: L · N · d · itemsize."""
+    m = mole_config_of(cfg)
+    return cfg.n_layers * m.n_experts * cfg.d_model * itemsize
