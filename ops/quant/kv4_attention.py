@@ -1,0 +1,149 @@
+"""Decode attention over a 4-bit KV cache, dequantizing inside the kernel (FlatQuant W4A4KV4,
+Sun et al. ICML 2025; the official deployment uses a FlashInfer int4-KV decode kernel).
+
+Cache layout (head-major so each (row, kv-head) program streams contiguous memory; owned by
+``inference/cache/kv4.py``):
+
+* ``k_q, v_q``: ``uint8 [B, K, S, Dh/2]`` — asymmetric 4-bit codes in [0, 15], two per byte,
+  channel 2j in the low nibble;
+* ``k_scale, v_scale``: ``float32 [B, K, S, G]``; ``k_zero, v_zero``: ``uint8 [B, K, S, G]``
+  with ``G = Dh / min(128, Dh)`` groups per head; dequant ``scale · (code − zero)``.
+
+The kernel handles one query token per row (decode, T = 1). Grid ``(B, K)``: each program loads
+the ``G_q = H/K`` query heads of its KV head (padded to 16 rows for the MMA), splits q into even
+and odd channels (done by the wrapper, free), and walks the cache in ``block_s`` slots with an
+online softmax; keys and values are unpacked with shifts and dequantized in registers, so the
+cache is read at 4 bits. Even/odd channel halves are recombined by the wrapper. Masking is by
+position as in ``ops/attention/reference.py``: slot ``s`` is visible iff ``s <= pos`` (and
+``pos - s < window``). Kernel restriction: one quantization group per head (Dh <= 128); the
+reference handles any group count.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallasite.ops.attention.reference import NEG_INF, attention as reference_attention
+from pallasite.ops.quant.quantizers import dequantize_kv_asym, unpack_int4
+
+
+def default_interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def dequantize_cache_bksd(q_BKSD2, scale_BKSG, zero_BKSG, dtype=jnp.float32):
+    """[B, K, S, Dh/2] packed + [B, K, S, G] → float [B, S, K, Dh] (the dense-cache layout)."""
+    codes = unpack_int4(q_BKSD2, signed=False).astype(jnp.uint8)
+    Dh = codes.shape[-1]
+    G = scale_BKSG.shape[-1]
+    x = dequantize_kv_asym(codes, scale_BKSG, zero_BKSG, group=Dh // G, dtype=dtype)
+    return jnp.swapaxes(x, 1, 2)
+
+
+def kv4_decode_attention_ref(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
+                             *, sliding_window: Optional[int] = None):
+    k = dequantize_cache_bksd(k_q, k_scale, k_zero)
+    v = dequantize_cache_bksd(v_q, v_scale, v_zero)
+    return reference_attention(q_BTHD.astype(jnp.float32), k, v, q_positions_BT=q_positions_BT, causal=True,
+                               sliding_window=sliding_window).astype(q_BTHD.dtype)
+
+
+def _decode_kernel(qe_ref, qo_ref, pos_ref, kq_ref, ks_ref, kz_ref, vq_ref, vs_ref, vz_ref, oe_ref, oo_ref,
+                   *, block_s, n_s, window):
+    gp, d2 = qe_ref.shape
+    qe = qe_ref[...]
+    qo = qo_ref[...]
+    pos = pos_ref[...]
+
+    def deq(q_ref, s_ref, z_ref, sl):
+        p = q_ref[sl, :].astype(jnp.int32) & 0xFF
+        s = s_ref[sl].astype(jnp.float32)[:, None]
+        z = z_ref[sl].astype(jnp.float32)[:, None]
+        lo = (p & 0xF).astype(jnp.float32)
+        hi = ((p >> 4) & 0xF).astype(jnp.float32)
+        return (lo - z) * s, (hi - z) * s
+
+    def body(sb, carry):
+        m, l, acc_e, acc_o = carry
+        sl = pl.ds(sb * block_s, block_s)
+        ke, ko = deq(kq_ref, ks_ref, kz_ref, sl)
+        dims = (((1,), (1,)), ((), ()))
+        logits = jax.lax.dot_general(qe, ke, dims, preferred_element_type=jnp.float32)
+        logits += jax.lax.dot_general(qo, ko, dims, preferred_element_type=jnp.float32)
+        slot = sb * block_s + jax.lax.broadcasted_iota(jnp.int32, (gp, block_s), 1)
+        visible = slot <= pos[:, None]
+        if window is not None:
+            visible &= (pos[:, None] - slot) < window
+        logits = jnp.where(visible, logits, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        p = jnp.exp(logits - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        ve, vo = deq(vq_ref, vs_ref, vz_ref, sl)
+        acc_e = acc_e * corr[:, None] + jnp.dot(p, ve, preferred_element_type=jnp.float32)
+        acc_o = acc_o * corr[:, None] + jnp.dot(p, vo, preferred_element_type=jnp.float32)
+        return m_new, l * corr + jnp.sum(p, axis=1), acc_e, acc_o
+
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, d2), jnp.float32), jnp.zeros((gp, d2), jnp.float32))
+    _, l, acc_e, acc_o = jax.lax.fori_loop(0, n_s, body, init)
+    oe_ref[...] = acc_e / l[:, None]
+    oo_ref[...] = acc_o / l[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_s", "interpret"))
+def _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT, *,
+                       sliding_window, block_s, interpret):
+    B, T, H, Dh = q_BTHD.shape
+    _, K, S, D2 = k_q.shape
+    if T != 1:
+        raise ValueError(f"kv4 decode kernel takes one query token per row, got T={T}")
+    if k_scale.shape[-1] != 1:
+        raise NotImplementedError(f"kv4 decode kernel supports one quantization group per head (Dh <= 128); "
+                                  f"got {k_scale.shape[-1]} groups for head_dim={Dh}")
+    G = H // K
+    Gp = max(16, 1 << (G - 1).bit_length())
+    Sp = pl.cdiv(S, block_s) * block_s
+    q = q_BTHD[:, 0].astype(jnp.float32).reshape(B, K, G, Dh) * (Dh ** -0.5)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qe, qo = q[..., 0::2], q[..., 1::2]
+    pos = jnp.broadcast_to(q_positions_BT[:, :1].astype(jnp.int32), (B, Gp))
+
+    def pad_s(a):
+        return jnp.pad(a, ((0, 0), (0, 0), (0, Sp - S)) + ((0, 0),) * (a.ndim - 3))
+
+    kq, vq = pad_s(k_q), pad_s(v_q)
+    ks, kz, vs, vz = (pad_s(a[..., 0]) for a in (k_scale, k_zero, v_scale, v_zero))
+    kernel = functools.partial(_decode_kernel, block_s=block_s, n_s=Sp // block_s, window=sliding_window)
+    qspec = pl.BlockSpec((None, None, Gp, D2), lambda b, h: (b, h, 0, 0))
+    cspec = pl.BlockSpec((None, None, Sp, D2), lambda b, h: (b, h, 0, 0))
+    sspec = pl.BlockSpec((None, None, Sp), lambda b, h: (b, h, 0))
+    oe, oo = pl.pallas_call(
+        kernel,
+        grid=(B, K),
+        in_specs=[qspec, qspec, pl.BlockSpec((None, Gp), lambda b, h: (b, 0)),
+                  cspec, sspec, sspec, cspec, sspec, sspec],
+        out_specs=[qspec, qspec],
+        out_shape=[jax.ShapeDtypeStruct((B, K, Gp, D2), jnp.float32)] * 2,
+        interpret=interpret,
+    )(qe, qo, pos, kq, ks, kz, vq, vs, vz)
+    out = jnp.stack([oe, oo], axis=-1).reshape(B, K, Gp, Dh)[:, :, :G]
+    return out.reshape(B, 1, H, Dh).astype(q_BTHD.dtype)
+
+
+def kv4_decode_attention(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT, *,
+                         sliding_window: Optional[int] = None, impl: str = "pallas",
+                         interpret: Optional[bool] = None, block_s: int = 32):
+    """Attention of ``q [B, 1, H, Dh]`` over a 4-bit cache (layout above) → ``[B, 1, H, Dh]``."""
+    if impl == "ref":
+        return kv4_decode_attention_ref(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
+                                        sliding_window=sliding_window)
+    if impl == "pallas":
+        interpret = default_interpret() if interpret is None else interpret
+        return _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
+                                  sliding_window=sliding_window, block_s=block_s, interpret=interpret)
+    raise ValueError(f"kv4_decode_attention impl={impl!r}; expected 'ref' or 'pallas'")
