@@ -1,0 +1,297 @@
+"""Corpora, deterministic sequence packing and a resumable batch iterator.
+
+Sources (each yields ``Document(doc_id, text)`` in a fixed order):
+
+* ``stdlib`` — the local Python standard library's ``.py`` sources
+  (``sysconfig.get_paths()['stdlib']``), test suites, ``site-packages`` and ``idlelib`` excluded;
+  needs no download and exists on every machine with Python.
+* ``text`` — plain text files (paths or globs), one document per file.
+* ``jsonl`` — one JSON object per line, document text in a named field.
+
+Held-out split: a document belongs to eval iff ``crc32(doc_id) % 100 < heldout_percent`` — fixed
+per file (or per jsonl line), independent of the seed and of the other documents. ``max_bytes``
+keeps a deterministic subset (documents in ``crc32`` order until the byte budget is spent), so a
+small budget is still a spread over the whole library rather than its first letters.
+
+Packing (``PackedDataset``): each document is tokenized to ``ids + [eos]``; per epoch the
+documents are concatenated in a seeded order and the stream is cut into rows of ``T + 1``
+tokens with stride ``T`` (every token is a target exactly once). For a row ``r``:
+``tokens = r[:T]``, ``targets = r[1:]``, ``segment_ids`` number the documents inside the row
+(1, 2, ...; attention never crosses a segment), ``positions`` restart at 0 at each segment (a
+document continued from the previous row restarts at 0 too — RoPE only sees relative offsets
+within the row anyway), and ``loss_mask`` is 0 where the target belongs to the next document
+(after an eos we do not ask the model to guess an unrelated file's first token). Rows are then
+shuffled with the same seeded generator and grouped into batches of ``B``; an epoch's leftover
+rows are dropped. Everything is numpy; nothing depends on the device count.
+
+The iterator's ``state()`` is ``{"epoch", "batch", "seed", "fingerprint"}`` (JSON); restoring it
+rebuilds that epoch's permutation and yields exactly the batch the saved run would have seen
+next. The fingerprint (token count, documents, T, B, seed) makes restoring onto different data
+fail loudly instead of silently changing the data order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import zlib
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+_STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__",
+                     "lib2to3", "turtledemo"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    doc_id: str
+    text: str
+
+
+def _is_heldout(doc_id: str, heldout_percent: float) -> bool:
+    return (zlib.crc32(doc_id.encode()) % 100) < heldout_percent
+
+
+def _take_budget(docs: list[Document], max_bytes: int) -> list[Document]:
+    """A deterministic spread-out subset: crc32 order until ``max_bytes`` is reached, then
+    back in the source order."""
+    if not max_bytes:
+        return docs
+    order = sorted(range(len(docs)), key=lambda i: (zlib.crc32(docs[i].doc_id.encode(), 7), docs[i].doc_id))
+    kept, total = set(), 0
+    for i in order:
+        if total >= max_bytes:
+            break
+        kept.add(i)
+        total += len(docs[i].text.encode())
+    return [d for i, d in enumerate(docs) if i in kept]
+
+
+def stdlib_documents(root: Optional[str] = None) -> list[Document]:
+    """All stdlib ``.py`` files (sorted relative paths; ids are the relative paths)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (UnicodeDecodeError, OSError):
+                continue  # a few stdlib files are latin-1 test fixtures; skipping keeps ids stable
+            if text.strip():
+                out.append(Document(os.path.relpath(path, root), text))
+    out.sort(key=lambda d: d.doc_id)
+    if not out:
+        raise FileNotFoundError(f"stdlib corpus: no .py files under {root!r}")
+    return out
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+    files = []
+    for p in paths:
+        matches = sorted(glob.glob(os.path.expanduser(p), recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"data path {p!r} matches no file")
+        files.extend(m for m in matches if os.path.isfile(m))
+    return files
+
+
+def text_documents(paths: Sequence[str]) -> list[Document]:
+    docs = []
+    for path in _expand(paths):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            docs.append(Document(path, f.read()))
+    return docs
+
+
+def jsonl_documents(paths: Sequence[str], field: str = "text") -> list[Document]:
+    docs = []
+    for path in _expand(paths):
+        opener = open
+        if path.endswith(".gz"):
+            import gzip
+
+            opener = gzip.open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if field not in record:
+                    raise KeyError(f"{path}:{lineno}: jsonl record has no field {field!r}; fields: {sorted(record)}")
+                docs.append(Document(f"{path}:{lineno}", str(record[field])))
+    return docs
+
+
+def load_documents(data_cfg) -> tuple[list[Document], list[Document]]:
+    """(train_docs, eval_docs) for a ``config.data`` group (see configs.train_defaults)."""
+    source = data_cfg.source
+    if source == "stdlib":
+        docs = stdlib_documents()
+    elif source == "text":
+        docs = text_documents(list(data_cfg.paths))
+    elif source == "jsonl":
+        docs = jsonl_documents(list(data_cfg.paths), data_cfg.field)
+    else:
+        raise ValueError(f"data.source={source!r}; expected stdlib | text | jsonl")
+    if not docs:
+        raise ValueError(f"data.source={source!r} with paths={list(data_cfg.paths)} gave no documents")
+    if data_cfg.eval_paths:
+        eval_docs = (jsonl_documents(list(data_cfg.eval_paths), data_cfg.field) if source == "jsonl"
+                     else text_documents(list(data_cfg.eval_paths)))
+        train_docs = docs
+    else:
+        train_docs = [d for d in docs if not _is_heldout(d.doc_id, data_cfg.heldout_percent)]
+        eval_docs = [d for d in docs if _is_heldout(d.doc_id, data_cfg.heldout_percent)]
+    train_docs = _take_budget(train_docs, data_cfg.max_train_bytes)
+    eval_docs = _take_budget(eval_docs, data_cfg.max_eval_bytes)
+    if not train_docs or not eval_docs:
+        raise ValueError(f"data split is empty: {len(train_docs)} train / {len(eval_docs)} eval documents "
+                         f"(heldout_percent={data_cfg.heldout_percent})")
+    return train_docs, eval_docs
+
+
+def tokenize_documents(tokenizer, docs: Sequence[Document], eos_id: int, batch: int = 256) -> list[np.ndarray]:
+    """``ids + [eos]`` per document (int32)."""
+    from pallasite.models.tokenizer import encode_batch
+
+    out = []
+    for i in range(0, len(docs), batch):
+        for ids in encode_batch(tokenizer, [d.text for d in docs[i:i + batch]]):
+            out.append(np.asarray(list(ids) + [eos_id], dtype=np.int32))
+    return out
+
+
+# ----------------------------------------------------------------------------- packing
+def pack_stream(doc_tokens: Sequence[np.ndarray], order: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Pack documents (in ``order``) into rows; returns arrays [R, T] (see module docstring)."""
+    T = seq_len
+    stream = np.concatenate([doc_tokens[i] for i in order]) if len(order) else np.zeros((0,), np.int32)
+    # doc index of every stream token, so segment boundaries are known after chunking
+    doc_of = np.repeat(np.arange(len(order), dtype=np.int64), [len(doc_tokens[i]) for i in order])
+    n_rows = (len(stream) - 1) // T
+    if n_rows <= 0:
+        raise ValueError(f"packing: {len(stream)} tokens cannot fill one row of seq_len={T} (+1 target)")
+    idx = np.arange(n_rows)[:, None] * T + np.arange(T + 1)[None, :]  # [R, T+1], stride T
+    row_tok, row_doc = stream[idx], doc_of[idx]
+    tokens, targets = row_tok[:, :-1], row_tok[:, 1:]
+    doc_in, doc_tgt = row_doc[:, :-1], row_doc[:, 1:]
+    new_seg = np.concatenate([np.ones((n_rows, 1), bool), doc_in[:, 1:] != doc_in[:, :-1]], axis=1)
+    segment_ids = np.cumsum(new_seg, axis=1).astype(np.int32)
+    # positions: index minus the index where the current segment started
+    col = np.broadcast_to(np.arange(T), (n_rows, T))
+    seg_start = np.maximum.accumulate(np.where(new_seg, col, 0), axis=1)
+    positions = (col - seg_start).astype(np.int32)
+    loss_mask = (doc_in == doc_tgt).astype(np.float32)
+    return dict(tokens=tokens.astype(np.int32), targets=targets.astype(np.int32), positions=positions,
+                segment_ids=segment_ids, loss_mask=loss_mask)
+
+
+class PackedDataset:
+    """Token documents -> seeded, packed [B, T] batches; ``iterator(state)`` resumes exactly."""
+
+    def __init__(self, doc_tokens: Sequence[np.ndarray], *, seq_len: int, batch_size: int, seed: int,
+                 shuffle: bool = True):
+        if not doc_tokens:
+            raise ValueError("PackedDataset: no documents")
+        self.doc_tokens = list(doc_tokens)
+        self.seq_len, self.batch_size, self.seed, self.shuffle = int(seq_len), int(batch_size), int(seed), shuffle
+        self.num_tokens = int(sum(len(d) for d in self.doc_tokens))
+        self.batches_per_epoch = ((self.num_tokens - 1) // self.seq_len) // self.batch_size
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"PackedDataset: {self.num_tokens} tokens give fewer than one batch of "
+                             f"{self.batch_size} x {self.seq_len}; use more data or a smaller batch")
+        h = hashlib.sha256()
+        for d in self.doc_tokens:
+            h.update(np.asarray(len(d), np.int64).tobytes())
+            h.update(d[: min(len(d), 64)].tobytes())
+        h.update(f"{self.seq_len},{self.batch_size},{self.seed},{self.shuffle}".encode())
+        self.fingerprint = h.hexdigest()[:16]
+        self._epoch_cache: tuple[int, dict] | None = None
+
+    def epoch_rows(self, epoch: int) -> dict[str, np.ndarray]:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        n = len(self.doc_tokens)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(n)
+            rows = pack_stream(self.doc_tokens, order, self.seq_len)
+            perm = rng.permutation(len(rows["tokens"]))
+            rows = {k: v[perm] for k, v in rows.items()}
+        else:
+            rows = pack_stream(self.doc_tokens, np.arange(n), self.seq_len)
+        self._epoch_cache = (epoch, rows)
+        return rows
+
+    def batch(self, epoch: int, index: int) -> dict[str, np.ndarray]:
+        rows = self.epoch_rows(epoch)
+        sl = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return {k: v[sl] for k, v in rows.items()}
+
+    def iterator(self, state: Optional[dict] = None) -> "BatchIterator":
+        it = BatchIterator(self)
+        if state is not None:
+            it.restore(state)
+        return it
+
+    def first_batches(self, n: int) -> list[dict[str, np.ndarray]]:
+        """The first ``n`` batches of epoch 0 (fixed eval set); fewer if the data is smaller."""
+        return [self.batch(0, i) for i in range(min(n, self.batches_per_epoch))]
+
+
+class BatchIterator(Iterator[dict]):
+    def __init__(self, dataset: PackedDataset):
+        self.dataset = dataset
+        self.epoch = 0
+        self.index = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.index >= self.dataset.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        out = self.dataset.batch(self.epoch, self.index)
+        self.index += 1
+        return out
+
+    def state(self) -> dict:
+        """JSON-able position: the *next* batch to be produced."""
+        return {"epoch": int(self.epoch), "batch": int(self.index), "seed": self.dataset.seed,
+                "fingerprint": self.dataset.fingerprint}
+
+    def restore(self, state: dict) -> None:
+        if state.get("fingerprint") != self.dataset.fingerprint or state.get("seed") != self.dataset.seed:
+            raise ValueError(f"data iterator state {state} was saved for different data (fingerprint/seed "
+                             f"{state.get('fingerprint')}/{state.get('seed')}, this dataset has "
+                             f"{self.dataset.fingerprint}/{self.dataset.seed}); the data order would change")
+        self.epoch, self.index = int(state["epoch"]), int(state["batch"])
+
+
+def unigram_entropy(batches: Iterable[dict]) -> float:
+    """Entropy (nats/token) of the empirical unigram distribution of the masked targets: the
+    cross-entropy of the best context-free predictor fitted *on this very data* — a model whose
+    eval loss is below it has learned to use context."""
+    counts: dict[int, int] = {}
+    for b in batches:
+        t = b["targets"][b["loss_mask"] > 0]
+        ids, c = np.unique(t, return_counts=True)
+        for i, n in zip(ids.tolist(), c.tolist()):
+            counts[i] = counts.get(i, 0) + n
+    total = sum(counts.values())
+    p = np.asarray(list(counts.values()), np.float64) / total
+    return float(-(p * np.log(p)).sum())
+
+
+__all__ = ["Document", "stdlib_documents", "text_documents", "jsonl_documents", "load_documents",
+           "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy"]
