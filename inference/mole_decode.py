@@ -9,24 +9,20 @@ the device holds only the dense model plus the routers.
   LUT-mode model (list or scan layout).
 * ``lut_forward(graphdef, state, rows_BTLND, tokens_BT, ...)`` is the pure forward of a LUT-mode
   model: ``core forward`` with the rows injected — same signature plus the rows; jit it.
-* ``MoLEGenerator`` runs prefill + greedy decode with a dense KV cache; at each step it fetches
-  the rows of exactly the tokens fed to the model (host numpy gather from the store, one
-  ``device_put``), and counts bytes moved. The project's generation engine
-  (``inference/engine.py``) is being written concurrently; once it exposes a forward hook this
-  class should become a thin adapter over it rather than a second engine.
+* ``attach_lut_store(lut_model, store)`` makes the model fetch its rows itself through a host
+  callback, so the project's one generation engine (``inference/engine.py``: jitted prefill,
+  ``while_loop`` decode) runs LUT models unchanged — there is no MoLE-specific decode loop.
+  Per step the callback receives the ids, the store gathers exactly those rows (from RAM or
+  the memory-mapped file) and hands them to the device.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallasite.inference.cache.dense import init_dense_cache
 from pallasite.models.mole import mole_config_of
 
 
@@ -54,70 +50,23 @@ def lut_forward(graphdef, state, rows_BTLND, tokens_BT, positions_BT=None, *, ca
     return model(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
 
 
-class MoLEGenerator:
-    """Greedy generation of a LUT-mode model whose LUT lives in a ``LUTStore`` (host or disk).
+def attach_lut_store(lut_model, store) -> None:
+    """Let a LUT-mode model fetch its own rows from ``store`` (host RAM or disk): each layer's FFN
+    gets its index and the store, and — when no rows were written with ``set_lut_rows`` — calls
+    back to the host with the current token ids (``jax.pure_callback``). The model then runs in
+    the unchanged generation engine (``inference.engine.generate_ids``) and in ``forward``.
 
-    ``generate(prompt_BT, n)`` → ``int32 [B, n]``. Per step: the sampled ids come to the host
-    (they must: the host gathers their rows), the rows move to the device, one jitted step.
-    ``stats`` counts steps, tokens and LUT bytes moved."""
-
-    def __init__(self, lut_model, store, *, max_len: int = 256, cache_dtype=None):
-        store.check_model(lut_model)
-        self.cfg = lut_model.cfg
-        self.store = store
-        self.max_len = max_len
-        self.cache_dtype = cache_dtype
-        self.graphdef, self.state = nnx.split(lut_model)
-
-        def step(state, payload, tokens, positions, cache):
-            rows = store.decode(payload)
-            logits, cache, _ = lut_forward(self.graphdef, state, rows, tokens, positions, cache=cache)
-            return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
-        self._step = jax.jit(step, donate_argnums=(4,))
-        self.stats = {"steps": 0, "tokens": 0, "lut_bytes": 0, "fetch_s": 0.0}
-
-    def _run(self, ids_np, positions, cache):
-        t0 = time.perf_counter()
-        payload = self.store.fetch(ids_np)
-        self.stats["fetch_s"] += time.perf_counter() - t0
-        self.stats["lut_bytes"] += int(sum(p.nbytes for p in payload))
-        self.stats["steps"] += 1
-        self.stats["tokens"] += int(ids_np.size)
-        return self._step(self.state, jax.device_put(payload), jnp.asarray(ids_np), positions, cache)
-
-    def generate(self, prompt_BT, max_new_tokens: int) -> np.ndarray:
-        prompt = np.asarray(prompt_BT, np.int32)
-        B, T = prompt.shape
-        if T + max_new_tokens > self.max_len:
-            raise ValueError(f"MoLEGenerator: prompt {T} + {max_new_tokens} new tokens exceeds max_len={self.max_len}")
-        cache = init_dense_cache(self.cfg, B, self.max_len, self.cache_dtype)
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        nxt, cache = self._run(prompt, pos, cache)
-        out = [np.asarray(nxt)]
-        for i in range(max_new_tokens - 1):
-            ids = out[-1][:, None]
-            nxt, cache = self._run(ids, jnp.full((B, 1), T + i, jnp.int32), cache)
-            out.append(np.asarray(nxt))
-        return np.stack(out, axis=1)
-
-
-def greedy_reference(graphdef, state, cfg, prompt_BT, max_new_tokens: int, *, max_len: int = 256):
-    """Greedy decode of a training-mode (or any core) model with the same cache and steps as
-    ``MoLEGenerator`` — the reference that LUT-mode generation must reproduce token for token."""
-    from pallasite.models.transformer import forward
-
-    @jax.jit
-    def step(state, tokens, positions, cache):
-        logits, cache, _ = forward(graphdef, state, tokens, positions, cache=cache)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
-    prompt = jnp.asarray(prompt_BT, jnp.int32)
-    B, T = prompt.shape
-    cache = init_dense_cache(cfg, B, max_len)
-    nxt, cache = step(state, prompt, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), cache)
-    out = [nxt]
-    for i in range(max_new_tokens - 1):
-        nxt, cache = step(state, out[-1][:, None], jnp.full((B, 1), T + i, jnp.int32), cache)
-        out.append(nxt)
-    return np.asarray(jnp.stack(out, axis=1))
+    Per forward: one host gather of all layers' rows for the ids (``LUTStore.layer_rows``
+    memoises it across the layers) and L transfers of ``[B, T, N, d]``. The store is checked
+    against the model first (shapes and fingerprint)."""
+    store.check_model(lut_model)
+    cfg = lut_model.cfg
+    if mole_config_of(cfg).mode != "lut":
+        raise ValueError("attach_lut_store: the model is not in LUT mode; use models.mole_lut.to_lut_model first")
+    if cfg.scan_layers:
+        lut_model.layers.ffn.layer_index.set_value(jnp.arange(cfg.n_layers, dtype=jnp.int32))
+        lut_model.layers.ffn.lut_store = store
+    else:
+        for i, block in enumerate(lut_model.layers):
+            block.ffn.layer_index.set_value(jnp.asarray(i, jnp.int32))
+            block.ffn.lut_store = store

@@ -1,0 +1,189 @@
+"""MoLE (Jie et al., ICML 2025): architecture, re-parameterisation equivalence, gradients,
+accounting. LUT stores / files / quantization are in test_mole_lut.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from scipy.special import erf
+
+from pallasite.inference import mole_decode as MD
+from pallasite.models import mole_lut as ML
+from pallasite.models.config import ModelConfig
+from pallasite.models.mole import MoLEConfig, activated_ffn_params, lut_bytes_per_token
+from pallasite.models.transformer import forward, init_model
+
+V, D, L, N, F = 512, 64, 2, 4, 256
+
+
+def tiny_cfg(n_experts=N, scan=False, **mole):
+    return ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=4, n_kv_heads=2, d_ff=F, ffn="mole",
+                       mole=MoLEConfig(n_experts=n_experts, **mole), scan_layers=scan, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def trained_like():
+    """A tiny MoLE with non-trivial weights (random init, expert norms perturbed so the
+    per-layer norm scale matters), its fp32 LUT and a LUT-mode twin."""
+    cfg = tiny_cfg(lut_dtype="float32")
+    model = init_model(cfg, seed=0)
+    for i, b in enumerate(model.layers):
+        b.ffn.expert_norm.scale.set_value(1.0 + 0.5 * jax.random.normal(jax.random.key(10 + i), (D,)))
+        b.ffn.experts.up.set_value(b.ffn.experts.up[...] * 5)  # larger pre-activations: GELU non-linear regime
+    lut = ML.build_lut(model)
+    return cfg, model, lut, ML.to_lut_model(model)
+
+
+def _numpy_expert_table(model, gelu="erf"):
+    """Independent numpy reference: E_lj(RMSNorm_l(Embed[v])) for every v, l, j."""
+    emb = np.asarray(model.embed.embedding[...], np.float64)
+    out = []
+    for b in model.layers:
+        s = np.asarray(b.ffn.expert_norm.scale[...], np.float64)
+        n = emb / np.sqrt(np.mean(emb ** 2, -1, keepdims=True) + model.cfg.norm_eps) * s
+        up, down = np.asarray(b.ffn.experts.up[...], np.float64), np.asarray(b.ffn.experts.down[...], np.float64)
+        h = np.einsum("vd,ndf->vnf", n, up)
+        if gelu == "erf":
+            a = 0.5 * h * (1 + erf(h / np.sqrt(2)))
+        else:
+            a = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+        out.append(np.einsum("vnf,nfd->vnd", a, down))
+    return np.stack(out, axis=1)  # [V, L, N, D]
+
+
+def test_lut_rows_equal_expert_outputs_for_every_vocab_id(trained_like):
+    cfg, model, lut, _ = trained_like
+    assert lut.shape == (V, L, N, D) and lut.dtype == np.float32
+    ref = _numpy_expert_table(model)
+    np.testing.assert_allclose(lut, ref, atol=2e-6, rtol=0)
+    # negative controls: the tanh GELU, a missing expert norm or a swapped layout must not pass
+    assert np.abs(_numpy_expert_table(model, gelu="tanh") - lut).max() > 1e-5
+    assert np.abs(np.swapaxes(ref, 1, 2).reshape(ref.shape) - lut).max() > 1e-3
+    # the table is the same when built in small vocab chunks (padding of the last chunk)
+    np.testing.assert_allclose(ML.build_lut(model, chunk=200), lut, atol=1e-6, rtol=0)
+
+
+def _tokens(seed, B=3, T=24):
+    toks = np.array(jax.random.randint(jax.random.key(seed), (B, T), 0, V))
+    toks[0, -5:] = 0  # padding ids are ordinary rows of the table
+    return toks
+
+
+def test_lut_mode_logits_equal_training_mode(trained_like):
+    cfg, model, lut, lut_model = trained_like
+    toks = _tokens(1)
+    g, s = nnx.split(model)
+    ref, _, aux = forward(g, s, toks)
+    assert aux == {}  # no auxiliary loss of any kind
+    gl, sl = nnx.split(lut_model)
+    fwd = jax.jit(MD.lut_forward, static_argnums=0)
+    out, _, aux_l = fwd(gl, sl, jnp.asarray(lut[toks]), toks)
+    assert aux_l == {}
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+    # negative control: the [vocab, layer, expert, d] order matters (layers swapped -> wrong)
+    bad, _, _ = fwd(gl, sl, jnp.asarray(lut[:, ::-1][toks]), toks)
+    assert float(jnp.abs(bad - ref).max()) > 1e-3
+    # fp16 LUT (the paper's storage): looser, measured bound
+    out16, _, _ = fwd(gl, sl, jnp.asarray(lut.astype(np.float16)[toks]), toks)
+    assert float(jnp.abs(out16 - ref).max()) < 5e-3
+
+
+def test_scan_layout_lut_equivalence():
+    cfg = tiny_cfg(scan=True, lut_dtype="float32")
+    model = init_model(cfg, seed=3)
+    toks = _tokens(2, B=2, T=16)
+    g, s = nnx.split(model)
+    ref, _, _ = forward(g, s, toks)
+    lut_model = ML.to_lut_model(model)
+    store = ML.HostLUT.from_model(model)
+    MD.attach_lut_store(lut_model, store)  # host-callback path, scan layout
+    gl, sl = nnx.split(lut_model)
+    out, _, _ = jax.jit(forward, static_argnums=0)(gl, sl, toks)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+    assert store.stats["gathers"] == 1 and store.stats["tokens"] == toks.size  # one gather serves all layers
+
+
+def test_greedy_generation_identical_through_engine(trained_like):
+    from pallasite.inference.engine import generate_ids
+
+    cfg, model, lut, _ = trained_like
+    lut_model = ML.to_lut_model(model)
+    store = ML.HostLUT(lut, fingerprint=ML.lut_fingerprint(model))
+    MD.attach_lut_store(lut_model, store)
+    prompts = [[5, 17, 300, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    g, s = nnx.split(model)
+    gl, sl = nnx.split(lut_model)
+    ref = generate_ids(g, s, cfg, prompts, max_new_tokens=16)
+    out = generate_ids(gl, sl, lut_model.cfg, prompts, max_new_tokens=16)
+    assert out == ref and len(ref[0]) == 16
+    # one host gather per engine step (prefill + 15 decode steps), rows of L·N·d fp32 per token
+    assert store.stats["gathers"] == 16
+    assert store.stats["bytes_to_device"] == store.stats["tokens"] * L * N * D * 4
+
+
+def test_context_independence_and_gates(trained_like):
+    """The LUT contribution of a token does not depend on its context; the gates do, and
+    they sum to one over all N experts (no top-k)."""
+    cfg, model, _, _ = trained_like
+    ffn = model.layers[1].ffn
+    a, b = _tokens(4, B=1, T=12), _tokens(5, B=1, T=12)
+    b[0, 7] = a[0, 7]
+    ea, eb = model.embed(jnp.asarray(a)), model.embed(jnp.asarray(b))
+    np.testing.assert_array_equal(np.asarray(ffn.expert_outputs(ea))[0, 7], np.asarray(ffn.expert_outputs(eb))[0, 7])
+    u = jax.random.normal(jax.random.key(0), (2, 12, D))
+    g = ffn.gates(u)
+    assert g.dtype == jnp.float32 and g.shape == (2, 12, N)
+    np.testing.assert_allclose(np.asarray(g.sum(-1)), 1.0, atol=1e-6)
+    assert bool(jnp.all(g > 0))  # every expert gets weight: full activation
+
+
+def test_gradients_reach_every_expert_and_router_column():
+    cfg = tiny_cfg()
+    model = init_model(cfg, seed=1)
+    toks = _tokens(6, B=2, T=16)
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest):
+        logits, _, aux = nnx.merge(g, params, rest)(toks[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+        assert aux == {}  # the loss is cross-entropy only
+        return ce
+
+    grads = jax.grad(loss_fn)(params, rest)
+    for i in range(L):
+        gf = grads["layers"][i]["ffn"]
+        up, down, router = gf["experts"]["up"][...], gf["experts"]["down"][...], gf["router"][...]
+        assert np.all(np.asarray(jnp.abs(up).sum(axis=(1, 2))) > 0), f"layer {i}: an expert's up gets no gradient"
+        assert np.all(np.asarray(jnp.abs(down).sum(axis=(1, 2))) > 0), f"layer {i}: an expert's down gets no gradient"
+        assert np.all(np.asarray(jnp.abs(router).sum(axis=0)) > 0), f"layer {i}: a router column gets no gradient"
+        assert float(jnp.abs(gf["expert_norm"]["scale"][...]).sum()) > 0
+
+
+def test_device_resident_params_equal_dense_plus_routers(trained_like):
+    cfg, model, _, lut_model = trained_like
+    dense = init_model(tiny_cfg(n_experts=0), seed=0)
+    paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(lut_model, nnx.Param))]
+    assert not [p for p in paths if "experts" in p or "expert_norm" in p]
+    itemsize = 4
+    assert ML.device_param_bytes(lut_model) == ML.device_param_bytes(dense) + L * D * N * itemsize
+    assert ML.device_param_bytes(model) > 2 * ML.device_param_bytes(lut_model)  # training holds the experts
+    assert activated_ffn_params(cfg) == 2 * D * F + D * N
+    assert lut_bytes_per_token(cfg) == L * N * D * 2
+
+
+def test_config_roundtrip_and_errors(trained_like):
+    cfg, _, _, lut_model = trained_like
+    again = ModelConfig.from_dict(cfg.to_dict())
+    assert again == cfg and isinstance(again.mole, MoLEConfig)
+    with pytest.raises(ValueError, match="mode='bogus'|mode"):
+        MoLEConfig(mode="bogus")
+    with pytest.raises(ValueError, match="unknown key"):
+        ModelConfig.from_dict({**cfg.to_dict(), "mole": {"n_experts": 4, "top_k": 2}})
+    # LUT mode without rows or an attached store fails naming what is missing
+    gl, sl = nnx.split(lut_model)
+    with pytest.raises(ValueError, match=r"lut_rows has shape \(0,\), expected \(1, 4, 4, 64\)"):
+        forward(gl, sl, np.zeros((1, 4), np.int32))
+    with pytest.raises(ValueError, match="not in LUT mode"):
+        MD.set_lut_rows(init_model(tiny_cfg(), seed=0), jnp.zeros((1, 4, L, N, D)))
