@@ -283,6 +283,7 @@ class MoE(nnx.Module):
         if self.record_routing:
             self.sow(nnx.Intermediate, "routing_experts", e_BTK)
             self.sow(nnx.Intermediate, "routing_probs", probs.reshape(B, T, -1))
+            self.sow(nnx.Intermediate, "moe_inputs", x_BTD)
         aux = aux_losses(logits, probs, e_BTK.reshape(B * T, -1), m.num_experts, m.lb_loss_coef, m.z_loss_coef)
         w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
         ep_mesh = _expert_mesh(mesh, m.expert_axis)

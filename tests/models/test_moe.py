@@ -1,0 +1,158 @@
+"""MoE layer: gating conventions vs a naive per-token loop, aux losses, capacity drops,
+expert-parallel (8 host devices) == single device for values and gradients, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallasite import sharding
+from pallasite.models.config import ModelConfig
+from pallasite.models.moe import MoE, MoEConfig, capacity_keep, expert_capacity
+
+
+def _layer(seed=0, **moe):
+    cfg = ModelConfig(d_model=16, d_ff=24, ffn="moe", moe=MoEConfig(**moe))
+    return MoE(cfg, rngs=nnx.Rngs(seed))
+
+
+_apply_jit = jax.jit(lambda st, x, gd: nnx.merge(gd, st)(x), static_argnums=2)
+
+
+def _apply(layer, x):
+    """One compiled call per layer structure (eager NNX compiles every op separately)."""
+    gd, st = nnx.split(layer)
+    return _apply_jit(st, x, gd)
+
+
+def _naive(layer, x_BTD):
+    """Per-token loop in float64: softmax → top-k → (renormalise) → Σ w·SwiGLU_e (+ shared)."""
+    m = layer.mcfg
+    x = np.asarray(x_BTD, np.float64).reshape(-1, x_BTD.shape[-1])
+    R = np.asarray(layer.router[...], np.float64)
+    wg, wu, wd = (np.asarray(v[...], np.float64) for v in (layer.w_gate, layer.w_up, layer.w_down))
+    silu = lambda z: z / (1 + np.exp(-z))
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        logits = x[n] @ R
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[: m.top_k]
+        w = p[top] / (p[top].sum() if m.norm_topk_prob else 1.0)
+        for e, we in zip(top, w):
+            out[n] += we * ((silu(x[n] @ wg[e]) * (x[n] @ wu[e])) @ wd[e])
+        if layer.shared_expert is not None:
+            se = layer.shared_expert
+            h = silu(x[n] @ np.asarray(se.gate_proj.kernel[...])) * (x[n] @ np.asarray(se.up_proj.kernel[...]))
+            s = h @ np.asarray(se.down_proj.kernel[...])
+            g = 1 / (1 + np.exp(-(x[n] @ np.asarray(layer.shared_gate[...])[:, 0])))
+            out[n] += g * s
+    return out.reshape(x_BTD.shape)
+
+
+@pytest.mark.parametrize("moe", [
+    dict(num_experts=4, top_k=2, norm_topk_prob=True),  # Mixtral
+    dict(num_experts=6, top_k=2, norm_topk_prob=False, shared_expert_d_ff=20),  # Qwen2-MoE
+    dict(num_experts=8, top_k=3, norm_topk_prob=False),  # OLMoE
+])
+def test_gating_conventions_match_naive_loop(moe):
+    layer = _layer(**moe)
+    layer.router[...] = layer.router[...] * 20  # peaked router: a wrong top-k / softmax shows up
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    y, aux = _apply(layer, x)
+    np.testing.assert_allclose(y, _naive(layer, x), atol=1e-5)
+    assert set(aux) == {"moe_lb_loss", "moe_z_loss"}
+
+
+def test_aux_losses_are_weighted_switch_and_z_loss():
+    layer = _layer(num_experts=4, top_k=2, lb_loss_coef=0.5, z_loss_coef=0.25)
+    x = jax.random.normal(jax.random.key(2), (3, 7, 16))
+    _, aux = _apply(layer, x)
+    logits = np.asarray(x, np.float64).reshape(-1, 16) @ np.asarray(layer.router[...], np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :2]
+    f = np.bincount(top.ravel(), minlength=4) / len(p)
+    lb = 0.5 * 4 * np.sum(f * p.mean(0))
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(aux["moe_lb_loss"], lb, rtol=1e-5)
+    np.testing.assert_allclose(aux["moe_z_loss"], 0.25 * np.mean(lse ** 2), rtol=1e-5)
+    _, aux0 = _apply(_layer(num_experts=4, top_k=2, lb_loss_coef=0.0, z_loss_coef=0.0), x)
+    assert aux0 == {}
+
+
+def test_capacity_keep_priority_and_drops():
+    # one sequence, 4 tokens, k=2, 2 experts, capacity 3: all first choices first, then by position
+    e = jnp.asarray([[[0, 1], [0, 1], [0, 1], [0, 1]]])
+    keep = np.asarray(capacity_keep(e, 2, 3))
+    assert keep[0, :, 0].tolist() == [True, True, True, False]  # expert 0 full after 3 first choices
+    assert keep[0, :, 1].tolist() == [True, True, True, False]
+    assert expert_capacity(8, 2, 4, 1.0) == 4
+    # a dropped pair contributes nothing: capacity layer == dropless layer with those weights zeroed
+    layer = _layer(num_experts=4, top_k=2, capacity_factor=0.5)
+    x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+    y_cap, _ = _apply(layer, x)
+    dropless = _layer(num_experts=4, top_k=2)
+    nnx.update(dropless, nnx.state(layer))
+    y_full, _ = _apply(dropless, x)
+    _, _, _, e_BTK, keep = layer.routing(x)
+    assert 0 < int((~keep).sum()) < keep.size  # some but not all pairs dropped
+    tok_has_drop = np.asarray((~keep).any(-1))
+    diff = np.abs(np.asarray(y_cap - y_full)).max(-1)
+    assert np.all(diff[~tok_has_drop] < 1e-6) and np.all(diff[tok_has_drop] > 1e-6)
+
+
+def test_pallas_gmm_layer_matches_ragged_dot():
+    layer = _layer(num_experts=4, top_k=2)
+    x = jax.random.normal(jax.random.key(4), (2, 5, 16))
+    y_ref, _ = _apply(layer, x)
+    pal = _layer(num_experts=4, top_k=2, gmm_impl="pallas")
+    nnx.update(pal, nnx.state(layer))
+    np.testing.assert_allclose(_apply(pal, x)[0], y_ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_expert_parallel_equals_single_device(capacity_factor):
+    """8 host devices, E=16 (2 per device), k=4: standard and Occult dispatch, values + grads."""
+    layer = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor)
+    gd, st = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(5), (8, 6, 16))
+
+    def loss(st, x, gd):
+        y, aux = nnx.merge(gd, st)(x)
+        return jnp.sum(jnp.sin(y) * jnp.arange(16.0)) + sum(aux.values()), y
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (l0, y0), g0 = f(st, x, gd)
+    if capacity_factor is not None:
+        assert int((~layer.routing(x)[-1]).sum()) > 0, "the capacity case must actually drop pairs"
+    mesh = sharding.make_mesh({"expert": 8})
+    for mode in ("standard", "occult"):
+        lay = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor, dispatch=mode)
+        gd_m, _ = nnx.split(lay)
+        with jax.set_mesh(mesh):
+            assert "all_to_all" in f.lower(st, x, gd_m).as_text()
+            (l1, y1), g1 = f(st, x, gd_m)
+        np.testing.assert_allclose(y1, y0, atol=1e-5)
+        np.testing.assert_allclose(l1, l0, atol=1e-5, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_expert_axis_must_divide_experts():
+    layer = _layer(num_experts=12, top_k=2)
+    mesh = sharding.make_mesh({"expert": 8})
+    with pytest.raises(ValueError, match=r"size 8.*num_experts=12"):
+        layer(jnp.ones((8, 2, 16)), mesh=mesh)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="top_k=5"):
+        MoEConfig(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="dispatch='ring'"):
+        MoEConfig(dispatch="ring")
+    with pytest.raises(ValueError, match="occult_devices=3"):
+        MoEConfig(num_experts=8, occult_devices=3)
+    cfg = ModelConfig(ffn="moe", moe=MoEConfig(num_experts=4, top_k=1, capacity_factor=1.5))
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # JSON round trip restores the sub-config
