@@ -293,5 +293,18 @@ def unigram_entropy(batches: Iterable[dict]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-__all__ = ["Document", "stdlib_documents", "text_documents", "jsonl_documents", "load_documents",
+__all__ = ["Document", "stdlib_documents", "stdlib_texts", "text_documents", "jsonl_documents", "load_documents",
            "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy"]
+
+
+def stdlib_texts(split: str = "all", heldout_percent: float = 5, max_bytes: int = 0) -> list[str]:
+    """Texts of the stdlib corpus: ``split`` = all | train | eval (the same file-level split the
+    training loop uses with ``data.heldout_percent``)."""
+    docs = stdlib_documents()
+    if split == "train":
+        docs = [d for d in docs if not _is_heldout(d.doc_id, heldout_percent)]
+    elif split == "eval":
+        docs = [d for d in docs if _is_heldout(d.doc_id, heldout_percent)]
+    elif split != "all":
+        raise ValueError(f"stdlib_texts: split={split!r}; expected all | train | eval")
+    return [d.text for d in _take_budget(docs, max_bytes)]

@@ -207,7 +207,7 @@ def train_step(state: dict, batch: dict, *, graphdef, optimizer, schedule: Calla
         aux0 = {k: jnp.zeros((), jnp.float32) for k in aux_shape}
         (grads, ce_sum, count, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), jnp.zeros(()), aux0), micro)
 
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
     loss = ce_sum / jnp.maximum(count, 1.0)
