@@ -53,9 +53,16 @@ def _cmd_generate(args, overrides):
         prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                      add_generation_prompt=True)
     print(args.prompt, end="", flush=True)
+    generated: list[int] = []
+    shown = [""]
 
     def stream(new_tokens):
-        print(model.decode([int(t) for t in new_tokens[0] if t >= 0]), end="", flush=True)
+        # Decode the whole completion each step and print the new suffix: token-by-token
+        # decoding would split multi-byte characters.
+        generated.extend(int(t) for t in new_tokens[0])
+        text = model.decode(generated)
+        print(text[len(shown[0]):], end="", flush=True)
+        shown[0] = text
 
     pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream)
