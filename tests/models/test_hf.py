@@ -268,3 +268,24 @@ def test_config_errors_and_old_style_rope():
     # A config a family cannot express is refused on export.
     with pytest.raises(ValueError, match="qwen2 checkpoint cannot express"):
         hf.config_to_hf(ModelConfig(family="qwen2", qkv_bias=False))
+
+
+# ------------------------------------------------------------------------ pallasite.testing helpers
+
+def test_testing_helpers_greedy(tiny):
+    """pt_greedy is transformers' greedy generate with EOS off; an argmax loop over pallasite's
+    forward (one padded buffer, causal) reproduces it token for token on an imported model."""
+    from pallasite.testing import make_tiny_hf_model, pt_greedy
+
+    model, path, _ = tiny["mistral"]  # sliding window 5 < sequence length
+    prompt, n = IDS[:, :6], 16
+    ref = pt_greedy(model, prompt, n)
+    assert ref.shape == (2, n)
+    cfg, state = hf.import_hf(path)
+    buf = np.zeros((2, 6 + n), np.int32)
+    buf[:, :6] = prompt
+    for t in range(6, 6 + n):
+        buf[:, t] = _logits(cfg, state, buf)[:, t - 1].argmax(-1)
+    np.testing.assert_array_equal(buf[:, 6:], ref)
+    with pytest.raises(ValueError, match="unknown tiny family 'gpt9'"):
+        make_tiny_hf_model("gpt9", "/nonexistent")
