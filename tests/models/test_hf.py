@@ -289,3 +289,42 @@ def test_testing_helpers_greedy(tiny):
     np.testing.assert_array_equal(buf[:, 6:], ref)
     with pytest.raises(ValueError, match="unknown tiny family 'gpt9'"):
         make_tiny_hf_model("gpt9", "/nonexistent")
+
+
+def test_registry_hooks_contract(tiny, tmp_path):
+    """The hooks MoE/new families use: a model type registered from outside plus an ffn mapping
+    that is many-to-one (gate and up fused into one HF tensor, as some checkpoints store them)
+    import, export and round-trip through hf.py without edits to it."""
+    _, path, ref = tiny["llama"]
+    old_dense = hf.FFN_MAPPINGS["dense"]
+
+    def to_hf(cfg, ffn, prefix, layer):
+        fused = np.concatenate([ffn[("gate_proj", "kernel")], ffn[("up_proj", "kernel")]], axis=1)
+        return {prefix + "mlp.gate_up_proj.weight": hf.linear_to_hf(fused),
+                prefix + "mlp.down_proj.weight": hf.linear_to_hf(ffn[("down_proj", "kernel")])}
+
+    def from_hf(cfg, read, prefix, layer, expected):
+        d, f = expected[("gate_proj", "kernel")]
+        fused = hf.linear_from_hf(read, prefix + "mlp.gate_up_proj.weight", (d, 2 * f))
+        return {("gate_proj", "kernel"): fused[:, :f], ("up_proj", "kernel"): fused[:, f:],
+                ("down_proj", "kernel"): hf.linear_from_hf(read, prefix + "mlp.down_proj.weight", expected[("down_proj", "kernel")])}
+
+    hf.register_model_type("fusedllama", from_hf=lambda c: hf.config_from_hf({**c, "model_type": "llama"}).replace(family="fusedllama"),
+                           to_hf=lambda cfg: hf.MODEL_TYPES["llama"].to_hf(cfg), architecture="LlamaForCausalLM")
+    try:
+        cfg, state = hf.import_hf(path)
+        hf.register_ffn_mapping("dense", to_hf, from_hf)
+        fused_cfg = cfg.replace(family="fusedllama")
+        hf.export_hf(fused_cfg, state, tmp_path / "fused")
+        names = set(_read_all(tmp_path / "fused"))
+        assert "model.layers.0.mlp.gate_up_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" not in names
+        assert json.load(open(tmp_path / "fused" / "config.json"))["model_type"] == "fusedllama"
+        cfg2, state2 = hf.import_hf(tmp_path / "fused", scan_layers=True)
+        assert cfg2.family == "fusedllama"
+        np.testing.assert_allclose(_logits(cfg2, state2), ref, atol=1e-4, rtol=0)
+        # Reads made by a registered mapping get the same named errors.
+        with pytest.raises(hf.CheckpointMismatchError, match=r"'model.layers.0.mlp.gate_up_proj.weight'.*expected shape \(256, 64\)"):
+            hf.import_hf(path, cfg=cfg)  # the plain file has no fused tensor
+    finally:
+        hf.register_ffn_mapping("dense", *old_dense)
+        hf.MODEL_TYPES.pop("fusedllama", None)
