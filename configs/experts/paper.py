@@ -1,0 +1,100 @@
+"""MoLE paper (Jie et al., ICML 2025) Table 2 model shapes: dense, MoE-10E / MoE-34E (top-2) and
+MoLE-4E / MoLE-16E at 160M / 410M / 1B activated parameters, plus the pre-training recipe.
+
+    from pallasite.configs.experts import paper
+    d = paper.model("160m", "mole16")          # dict of ModelConfig fields (validated)
+    c = load_config("configs/experts/paper.py:size=160m,kind=mole4")   # a training config
+
+| size | L  | d    | heads | D_s  | MoLE D_r | MoE (top-2) D_r (paper, non-gated) |
+|------|----|------|-------|------|----------|------------------------------------|
+| 160M | 12 | 768  | 12    | 3072 | 3072     | 1536                               |
+| 410M | 24 | 1024 | 16    | 4096 | 4096     | 2048                               |
+| 1B   | 16 | 2048 | 8     | 8192 | 8192     | 4096                               |
+
+Architecture (paper §4.1, official ``modeling_*.py``): Pythia/LLaMA-style pre-norm with RMSNorm,
+RoPE, untied embeddings, no biases, multi-head attention (K = H). Dense and MoLE FFNs are the
+non-gated two-matrix exact-GELU MLP (``ffn="mole"``; ``n_experts=0`` is the dense model).
+Vocabulary: the GPT-NeoX tokenizer (50,277 tokens; Pythia pads the embedding to 50,304).
+
+Deviation — the MoE baselines: the project's MoE layer (``models/moe.py``) has SwiGLU experts
+(three matrices), the paper's MoE experts are non-gated GELU MLPs of width D_s/2 (two matrices).
+To keep the paper's *activated-parameter* equality (2 experts × 2·d·D_s/2 = 2·d·D_s), the
+default ``moe_width="equal_params"`` uses SwiGLU width D_s/3 (2 × 3·d·D_s/3 = 2·d·D_s) with the
+exact-GELU activation; ``moe_width="paper"`` takes D_s/2 literally (1.5× the activated FFN
+parameters). Both MoE baselines use the load-balancing (0.01) and z-loss (0.001) terms as in the
+paper; MoLE uses none.
+
+Recipe (paper §4.1 / ``pretrain/README.md``): 100B Pile tokens, global batch 1024 × 2048, 50k
+iterations, Adam(0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 (160M) / 3e-4 (410M, 1B) with
+1% warmup and cosine decay to 0.1×, init std 0.01 (ours: 0.02, the core's default), bf16.
+"""
+
+from __future__ import annotations
+
+from pallasite.configs import models, parse_arg, train_defaults
+
+SIZES = {
+    "160m": dict(n_layers=12, d_model=768, n_heads=12, d_ff=3072, lr=6e-4),
+    "410m": dict(n_layers=24, d_model=1024, n_heads=16, d_ff=4096, lr=3e-4),
+    "1b": dict(n_layers=16, d_model=2048, n_heads=8, d_ff=8192, lr=3e-4),
+}
+KINDS = ("dense", "moe10", "moe34", "mole4", "mole16")
+
+
+def ffn_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2) -> dict:
+    """The ffn / moe / mole fields of one variant, for a shared FFN width ``d_ff`` = D_s."""
+    if kind == "dense":
+        return dict(ffn="mole", mole=dict(n_experts=0))
+    if kind.startswith("mole"):
+        return dict(ffn="mole", mole=dict(n_experts=int(kind[4:])))
+    if kind.startswith("moe"):
+        if moe_width not in ("equal_params", "paper"):
+            raise ValueError(f"moe_width={moe_width!r}; expected equal_params | paper")
+        # equal_params: k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the
+        # dense FFN (top-2 → D_s/3, the paper's D_s/2 non-gated experts in SwiGLU form).
+        width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
+        return dict(ffn="moe", hidden_act="gelu_exact",
+                    moe=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
+                             lb_loss_coef=0.01, z_loss_coef=0.001))
+    raise ValueError(f"unknown expert variant {kind!r}; expected one of {KINDS} (or moeN / moleN)")
+
+
+def model(size: str, kind: str, *, vocab_size: int = 50304, moe_width: str = "equal_params", **overrides) -> dict:
+    if size not in SIZES:
+        raise ValueError(f"unknown MoLE paper size {size!r}; expected one of {sorted(SIZES)}")
+    s = SIZES[size]
+    d = dict(family="llama", vocab_size=vocab_size, d_model=s["d_model"], n_layers=s["n_layers"],
+             n_heads=s["n_heads"], n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=2048,
+             tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0, hidden_act="gelu_exact")
+    d.update(ffn_fields(kind, s["d_ff"], moe_width=moe_width))
+    d.update(overrides)
+    return _validated(d)
+
+
+def _validated(d: dict) -> dict:
+    full = models.to_model_config(d).to_dict()
+    full["vocab_size"] = d["vocab_size"]
+    return full
+
+
+def get_config(arg=None):
+    """Pre-training config of one Table 2 model (accelerator-sized; ``runlocal`` shrinks the
+    schedule for a smoke run of the real shapes)."""
+    a = parse_arg(arg, size="160m", kind="mole4", moe_width="equal_params", runlocal=False)
+    c = train_defaults()
+    c.model = model(a.size, a.kind, moe_width=a.moe_width)
+    c.data.seq_len = 2048
+    c.data.batch_size = 1024
+    c.optim.lr = SIZES[a.size]["lr"]
+    c.optim.warmup_steps = 500  # 1% of 50k
+    c.optim.min_lr_ratio = 0.1
+    c.optim.weight_decay = 0.1
+    c.optim.clip_norm = 1.0
+    c.train.steps = 50_000
+    c.train.export_hf = False  # no HF layout for MoLE; orbax checkpoints + the LUT are the artifacts
+    if a.runlocal:
+        c.data.seq_len, c.data.batch_size, c.train.steps = 128, 2, 4
+        c.train.eval_every = c.train.checkpoint_every = 0
+        c.data.max_train_bytes, c.data.max_eval_bytes = 200_000, 50_000
+        c.train.sample_tokens = 0
+    return c
