@@ -17,7 +17,8 @@ _fwd = jax.jit(forward, static_argnums=0)
 
 
 def _logits(cfg, state, ids):
-    return np.asarray(_fwd(nnx.split(abstract_model(cfg))[0], state, np.asarray(ids))[0])
+    with jax.default_matmul_precision("highest"):  # true f32 on GPUs too (default there is TF32)
+        return np.asarray(_fwd(nnx.split(abstract_model(cfg))[0], state, np.asarray(ids))[0])
 
 
 # ------------------------------------------------------------------------ a tiny GGUF writer
