@@ -152,6 +152,7 @@ def test_decode_empty_range_returns_zero_and_shape_errors():
     assert isinstance(dense_source(k, v), KVSource)
 
 
+@pytest.mark.slow  # two model compiles with interpret-mode kernels inside
 def test_dense_cache_uses_decode_kernel_end_to_end():
     """Model decode with attention_impl='pallas' (flash prefill + decode kernel) == ref impl."""
     from flax import nnx

@@ -1,0 +1,282 @@
+"""CateKV hybrid cache: exactness limits, selection invariants, classification on planted heads,
+bad input, mask save/load, memory accounting. Small geometry (init 8, recent 16, chunks of 4,
+tail 8, last_q 8) so everything runs in seconds; the defaults (64/256/8/32/64, B=2048) are the
+same code path with other numbers."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallasite.inference.cache import init_dense_cache
+from pallasite.inference.cache.catekv import (
+    CateKVConfig, calibrate_head_mask, chunk_geometry, classify_heads, init_catekv_cache, kept_indices,
+    load_head_mask, memory_report, middle_attention, save_head_mask,
+)
+from pallasite.models.config import ModelConfig
+from pallasite.models.transformer import forward, init_model
+
+SMALL = CateKVConfig(budget=40, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8, tail_tokens=8)
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+N_PROMPT, N_NEW = 100, 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return nnx.split(init_model(CFG, seed=1))
+
+
+def _greedy(model, cache, tokens_BT, impl="ref"):
+    """Prefill tokens, then greedy-decode N_NEW tokens; returns (all logits [B, 1+N_NEW, V], ids)."""
+    gd, st = model
+    if impl != "ref":
+        gd = nnx.split(init_model(CFG.replace(attention_impl=impl), seed=1))[0]
+
+    @jax.jit
+    def run(st, cache, tokens_BT):
+        B, T = tokens_BT.shape
+        logits, cache, _ = forward(gd, st, tokens_BT, cache=cache)
+
+        def step(carry, i):  # one traced decode step (scan) keeps compile time small
+            cache, last = carry
+            nxt = jnp.argmax(last, -1)[:, None]
+            out, cache, _ = forward(gd, st, nxt, jnp.full((B, 1), T) + i, cache=cache)
+            return (cache, out[:, 0]), (out[:, 0], nxt[:, 0])
+
+        (cache, _), (outs, ids) = jax.lax.scan(step, (cache, logits[:, -1]), jnp.arange(N_NEW))
+        return jnp.concatenate([logits[:, -1:], jnp.swapaxes(outs, 0, 1)], 1), ids.T, cache
+
+    return run(st, cache, tokens_BT)
+
+
+def _tokens(B=2, T=N_PROMPT, seed=0):
+    return jax.random.randint(jax.random.PRNGKey(seed), (B, T), 0, CFG.vocab_size)
+
+
+def test_exact_when_every_head_adaptive_or_budget_covers_context(model):
+    tokens = _tokens()
+    ref_logits, ref_ids, _ = _greedy(model, init_dense_cache(CFG, 2, 128), tokens)
+    all_adaptive = np.ones((CFG.n_layers, CFG.n_kv_heads), bool)
+    none_adaptive = np.zeros_like(all_adaptive)
+    big_budget = CateKVConfig(budget=8 + 16 + 4 * 30, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8,
+                              tail_tokens=8)  # B = 144 >= N = 100
+    for mask, ccfg in ((all_adaptive, SMALL), (none_adaptive, big_budget)):
+        cache = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=ccfg, max_new_tokens=N_NEW)
+        logits, ids, _ = _greedy(model, cache, tokens)
+        assert float(jnp.max(jnp.abs(logits - ref_logits))) <= 1e-5
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    # negative control: a real sparse cache (B < N, all heads consistent) does change the logits
+    cache = init_catekv_cache(CFG, 2, 128, none_adaptive, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+    logits, _, _ = _greedy(model, cache, tokens)
+    assert float(jnp.max(jnp.abs(logits[:, 1:] - ref_logits[:, 1:]))) > 1e-3
+
+
+@pytest.mark.slow  # interpret-mode Pallas inside a 2-layer model: ~30 s of compiles
+def test_pallas_decode_path_equals_reference_path(model):
+    tokens = _tokens(seed=3)
+    mask = np.array([[True, False], [False, True]])
+    out = {}
+    for impl in ("ref", "pallas"):
+        cache = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+        out[impl] = _greedy(model, cache, tokens, impl=impl)
+    np.testing.assert_allclose(np.asarray(out["pallas"][0]), np.asarray(out["ref"][0]), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(out["pallas"][1]), np.asarray(out["ref"][1]))
+
+
+def test_rows_with_different_prompt_lengths(model):
+    """Right-padded batch: with prompt_len per row, r = 1 decoding equals each row run alone."""
+    gd, st = model
+    lens = [100, 77]
+    tokens = _tokens(seed=5)
+    mask = np.zeros((CFG.n_layers, CFG.n_kv_heads), bool)
+
+    @jax.jit
+    def prefill_and_step(cache, tokens, nxt, pos):
+        _, cache, _ = forward(gd, st, tokens, cache=cache)
+        return forward(gd, st, nxt, pos, cache=cache)[0]
+
+    cache = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=SMALL, max_new_tokens=2, prompt_lengths=lens)
+    nxt = jnp.array([[7], [9]])
+    step = prefill_and_step(cache, tokens, nxt, jnp.array([[lens[0]], [lens[1]]]))
+    for row, n in enumerate(lens):
+        single = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=2)
+        one = prefill_and_step(single, tokens[row:row + 1, :n], nxt[row:row + 1], jnp.array([[n]]))
+        np.testing.assert_allclose(np.asarray(step[row]), np.asarray(one[0]), atol=1e-5)
+    # negative control: without per-row lengths the short row's "last queries" are pad tokens
+    wrong = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=SMALL, max_new_tokens=2)
+    bad = prefill_and_step(wrong, tokens, nxt, jnp.array([[lens[0]], [lens[1]]]))
+    assert float(jnp.max(jnp.abs(bad[1] - step[1]))) > 1e-4
+
+
+def test_selection_invariants_and_sizes(model):
+    gd, st = model
+    tokens = _tokens(B=1, seed=7)
+    mask = np.array([[True, False], [False, True]])
+    cache = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+    dense = init_dense_cache(CFG, 1, 128)
+    _, cache, _ = forward(gd, st, tokens, cache=cache)
+    _, dense, _ = forward(gd, st, tokens, cache=dense)
+    N, C = N_PROMPT, SMALL.chunk_size
+    chunk_end, mid_end, n_mid = (int(x) for x in chunk_geometry(jnp.array(N), SMALL))
+    assert chunk_end == C * (N // C - SMALL.tail_tokens // C) and N - chunk_end >= SMALL.tail_tokens
+    for layer in range(CFG.n_layers):
+        c = jax.tree.map(lambda a: a[layer], cache)
+        count = int(c.sparse_offset[0]) + N
+        assert count == SMALL.budget + (N - chunk_end)  # B + the unchunked tail
+        h = int(c.sparse_heads[0])
+        kept_k = np.asarray(c.k_sparse[0, :count, 0])
+        full_k = np.asarray(dense.k[layer, 0, :N, h])
+        # recover which positions were kept by matching rows of K (random floats: unique)
+        pos = np.array([int(np.argmin(np.abs(full_k - row).sum(-1))) for row in kept_k])
+        np.testing.assert_allclose(kept_k, full_k[pos], atol=0)
+        kept = set(pos.tolist())
+        assert set(range(SMALL.init_tokens)) <= kept  # the first init tokens
+        assert set(range(chunk_end - SMALL.recent_tokens, N)) <= kept  # recent window + tail
+        middle = sorted(p for p in kept if SMALL.init_tokens <= p < mid_end)
+        assert len(middle) == SMALL.select_chunks * C
+        starts = {p - (p - SMALL.init_tokens) % C for p in middle}
+        assert all(all(s + i in kept for i in range(C)) for s in starts)  # whole chunks only
+        assert len(starts) == SMALL.select_chunks
+        # the adaptive head keeps everything, slot = position
+        a = int(c.full_heads[0])
+        np.testing.assert_array_equal(np.asarray(c.k_full[0, :N, 0]), np.asarray(dense.k[layer, 0, :N, a]))
+    # decode appends to both parts
+    new_tok = jnp.array([[3]])
+    _, cache2, _ = forward(gd, st, new_tok, jnp.array([[N]]), cache=cache)
+    _, dense2, _ = forward(gd, st, new_tok, jnp.array([[N]]), cache=dense)
+    c = jax.tree.map(lambda a: a[0], cache2)  # layer 0: same input as the dense run -> same new K
+    slot = N + int(c.sparse_offset[0])
+    np.testing.assert_allclose(np.asarray(c.k_sparse[0, slot, 0]),
+                               np.asarray(dense2.k[0, 0, N, int(c.sparse_heads[0])]), atol=0)
+    np.testing.assert_allclose(np.asarray(c.k_full[0, N, 0]), np.asarray(dense2.k[0, 0, N, int(c.full_heads[0])]), atol=0)
+    assert float(jnp.abs(cache2.k_sparse[1, 0, slot]).sum()) > 0 and float(jnp.abs(cache.k_sparse[1, 0, slot]).sum()) == 0
+    # array sizes match the memory formula
+    rep = memory_report(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.dh, context=100,
+                        new_tokens=28, adaptive_ratio=0.5, catekv_cfg=SMALL, dtype_bytes=4, head_mask_LK=mask)
+    assert cache.kv_nbytes() == rep["hybrid_bytes"] - rep["index_bytes"]
+    assert rep["full_bytes"] == dense.nbytes()
+
+
+def test_kept_indices_short_prompt_keeps_everything():
+    scores = jnp.zeros((1, 1, 30))
+    for n in (20, 45):
+        idx, count = kept_indices(scores, jnp.array([n]), SMALL)
+        assert int(count[0]) == n
+        assert sorted(np.asarray(idx[0, 0, :n]).tolist()) == list(range(n))
+
+
+def _planted(n_consistent=4, n_adaptive=4, N=200, D=32, seed=0):
+    """One layer, G = 1: consistent heads' last queries (and the future query) all hit the same 6
+    chunks; each adaptive head's queries hit their own random chunks, the future query a new one."""
+    rng = np.random.default_rng(seed)
+    K, Q, C = n_consistent + n_adaptive, SMALL.last_q, SMALL.chunk_size
+    _, mid_end, n_mid = (int(x) for x in chunk_geometry(jnp.array(N), SMALL))
+    k = rng.normal(size=(N, K, D)) * 0.3
+    q = rng.normal(size=(N, K, D)) * 0.3
+    q_new = rng.normal(size=(K, D)) * 0.3
+    kinds = np.array([1] * n_consistent + [0] * n_adaptive)  # 1 = consistent (planted)
+    rng.shuffle(kinds)
+    for h in range(K):
+        if kinds[h]:
+            u = rng.normal(size=D)
+            u /= np.linalg.norm(u)
+            for c in rng.choice(n_mid, 6, replace=False):
+                k[SMALL.init_tokens + c * C + rng.integers(C), h] += 8 * u
+            q[N - Q:, h] += 8 * u
+            q_new[h] += 8 * u
+        else:
+            chunks = rng.choice(n_mid, Q + 1, replace=False)
+            for i in range(Q + 1):
+                u = rng.normal(size=D)
+                u /= np.linalg.norm(u)
+                k[SMALL.init_tokens + chunks[i] * C + rng.integers(C), h] += 8 * u
+                if i < Q:
+                    q[N - Q + i, h] += 8 * u
+                else:
+                    q_new[h] += 8 * u
+    f = lambda x: jnp.asarray(x, jnp.float32)[None]
+    return f(q), f(k), f(rng.normal(size=(N, K, D))), f(q_new)[:, None], kinds
+
+
+def test_cv_separates_planted_heads_and_mask_beats_random_and_inverted():
+    q, k, v, q_new, kinds = _planted()
+    N, K, D = k.shape[1], k.shape[2], k.shape[3]
+    A, valid = middle_attention(q[:, -SMALL.last_q:], k, jnp.array([N]), SMALL)
+    cv = np.asarray(classify_heads(A, valid, SMALL)[0][0])
+    assert cv[kinds == 1].min() > cv[kinds == 0].max(), (cv, kinds)
+    # offline mask: r = 0.5 of 8 heads, 3 noisy "samples" -> exactly the 4 planted adaptive heads
+    samples = np.stack([cv + 0.01 * i for i in range(3)])[:, None, :]
+    mask = calibrate_head_mask(samples, 0.5)[0]
+    assert mask.sum() == math.ceil(0.5 * K)
+    np.testing.assert_array_equal(mask, kinds == 0)
+
+    cfg1 = ModelConfig(vocab_size=8, d_model=K * D, n_layers=1, n_heads=K, n_kv_heads=K, d_ff=8)
+    full = jax.nn.softmax(jnp.einsum("bhd,bshd->bhs", q_new[:, 0], k) * D ** -0.5, -1)
+    full_out = jnp.einsum("bhs,bshd->bhd", full, v)
+
+    def err(m):
+        cache = init_catekv_cache(cfg1, 1, 256, m[None], catekv_cfg=SMALL, max_new_tokens=8)
+        layer = jax.tree.map(lambda a: a[0], cache)
+        pos = jnp.arange(N)[None]
+        _, layer = layer.update_and_attend(q, k, v, pos)
+        out, _ = layer.update_and_attend(q_new, k[:, -1:], v[:, -1:], jnp.array([[N - 1]]))
+        # (re-writing the last prompt token at its own position: the cache contents do not change)
+        return float(jnp.mean(jnp.abs(out[:, 0] - full_out)))
+
+    rng = np.random.default_rng(1)
+    e_cate, e_inv = err(mask), err(~mask)
+    e_rand = np.mean([err(rng.permutation(mask)) for _ in range(3)])
+    assert e_cate < 0.5 * e_rand and e_cate < 0.5 * e_inv, (e_cate, e_rand, e_inv)
+
+
+def test_calibration_counts_exact_and_per_layer():
+    rng = np.random.default_rng(0)
+    cv = rng.random((5, 6, 4))
+    m = calibrate_head_mask(cv, 0.4)
+    assert m.sum() == math.ceil(0.4 * 24)
+    m2 = calibrate_head_mask(cv, 0.5, per_layer=True)
+    assert (m2.sum(1) == 2).all()
+    with pytest.raises(ValueError, match="fraction"):
+        calibrate_head_mask(cv, 40)
+    with pytest.raises(ValueError, match="samples"):
+        calibrate_head_mask(cv[0], 0.4)
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        CateKVConfig(budget=2050)
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        CateKVConfig(budget=300)  # less than init + recent
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        init_catekv_cache(CFG, 1, 128, np.ones((3, 2), bool), catekv_cfg=SMALL)
+    with pytest.raises(ValueError, match="sliding"):
+        init_catekv_cache(CFG.replace(sliding_window=16), 1, 128, np.ones((2, 2), bool), catekv_cfg=SMALL)
+    mask = np.array([[True, False], [False, False]])
+    path = save_head_mask(str(tmp_path), mask, CFG, SMALL)
+    np.testing.assert_array_equal(load_head_mask(str(tmp_path), CFG), mask)
+    np.testing.assert_array_equal(load_head_mask(path, CFG), mask)
+    with pytest.raises(ValueError, match="another model shape"):
+        load_head_mask(path, CFG.replace(n_layers=3))
+    with pytest.raises(ValueError, match="another model shape"):
+        load_head_mask(path, CFG.replace(d_model=64, n_heads=8, n_kv_heads=2))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        save_head_mask(str(tmp_path), np.ones((2, 3), bool), CFG)
+
+
+def test_memory_report_matches_ideal_ratio_at_32k():
+    for r, target in ((0.4, 1 / (0.4 + 0.6 * 2048 / 32768)), (0.3, 1 / (0.3 + 0.7 * 2048 / 32768))):
+        rep = memory_report(n_layers=32, n_kv_heads=10, head_dim=128, context=32768, adaptive_ratio=r)
+        assert abs(rep["ideal_ratio"] - target) < 1e-9
+        assert abs(rep["ratio"] / target - 1) < 0.05, rep
+        assert rep["index_bytes"] < 1e-5 * rep["hybrid_bytes"]
+    # a mask with uneven per-layer counts pads to the per-layer maximum (documented cost)
+    uneven = np.zeros((2, 8), bool)
+    uneven[0, :6] = True
+    uneven[1, :1] = True
+    rep = memory_report(n_layers=2, n_kv_heads=8, head_dim=64, context=32768, adaptive_ratio=0.4,
+                        head_mask_LK=uneven)
+    assert rep["adaptive_slots_per_layer"] == 6 and rep["consistent_slots_per_layer"] == 7
+    assert rep["ratio"] < rep["ideal_ratio"]
