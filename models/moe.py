@@ -29,8 +29,9 @@ because the train step adds every aux value to the loss):
 Compute:
 
 * **Dropless** (``capacity_factor=None``, default): the (token, slot) pairs are sorted by expert
-  and the experts run as grouped matmuls (``ops.gmm``: ``jax.lax.ragged_dot`` or the Pallas
-  kernel, ``gmm_impl``), then the outputs are unsorted, weighted by the gates and summed over
+  and the experts run as grouped matmuls (``ops.gmm``, ``gmm_impl``: ``jax.lax.ragged_dot``,
+  the same padded-tile algorithm as the kernel in plain XLA — the default on CPU, where
+  ragged_dot is ~25× slower — or the Pallas kernel), then the outputs are unsorted, weighted by the gates and summed over
   the k slots.
 * **Capacity mode** (``capacity_factor=c``): each *sequence* gives each expert at most
   ``C = ceil(c · T · k / E)`` (token, slot) pairs; priority is slot-major then position
@@ -88,7 +89,8 @@ class MoEConfig:
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     capacity_factor: Optional[float] = None  # None = dropless
-    gmm_impl: str = "ref"  # ref (jax.lax.ragged_dot) | pallas
+    # auto (tiles on CPU, ref elsewhere) | ref (jax.lax.ragged_dot) | tiles (padded tiles in XLA) | pallas
+    gmm_impl: str = "auto"
     dispatch: str = "standard"  # expert-parallel dispatch: standard | occult
     expert_axis: str = "expert"
     # Occult collaboration pruning (models/occult.py): N_d contiguous expert groups, keep ≤ N_d'
@@ -106,7 +108,8 @@ class MoEConfig:
         need(self.d_expert is None or self.d_expert > 0, f"d_expert must be positive, got {self.d_expert}")
         need(self.capacity_factor is None or self.capacity_factor > 0,
              f"capacity_factor must be positive or None (dropless), got {self.capacity_factor}")
-        need(self.gmm_impl in ("ref", "pallas"), f"gmm_impl={self.gmm_impl!r}; expected ref | pallas")
+        need(self.gmm_impl in ("auto", "ref", "tiles", "pallas"),
+             f"gmm_impl={self.gmm_impl!r}; expected auto | ref | tiles | pallas")
         need(self.dispatch in DISPATCH_MODES, f"dispatch={self.dispatch!r}; expected one of {DISPATCH_MODES}")
         need(self.prune in PRUNE_KINDS, f"prune={self.prune!r}; expected one of {PRUNE_KINDS}")
         if self.occult_max_devices is not None:
@@ -116,6 +119,11 @@ class MoEConfig:
         if self.occult_devices is not None:
             need(self.num_experts % self.occult_devices == 0,
                  f"occult_devices={self.occult_devices} does not divide num_experts={self.num_experts}")
+        if self.occult_max_devices is not None:
+            e_loc = self.num_experts // self.occult_devices
+            need(self.occult_max_devices * e_loc >= self.top_k,
+                 f"occult_max_devices={self.occult_max_devices} devices × {e_loc} experts each cannot hold "
+                 f"top_k={self.top_k} experts")
 
 
 register_sub_config("moe", MoEConfig)
@@ -178,7 +186,7 @@ def capacity_keep(experts_BTK: jax.Array, num_experts: int, capacity: int) -> ja
 
 
 # ----------------------------------------------------------------------------- expert compute
-def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, gmm_impl="ref"):
+def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, gmm_impl="auto"):
     """y_r = Σ_s weights[r,s] · Expert_{experts[r,s]}(x_r); expert id −1 means an empty slot.
 
     The (row, slot) pairs are sorted by expert and the experts run as grouped matmuls over
@@ -193,6 +201,8 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     xs_PD = jnp.take(x_RD, rows_P, axis=0)
     group_sizes = jnp.bincount(key_P, length=E + 1)[:E].astype(jnp.int32)
     dt = x_RD.dtype
+    if gmm_impl == "auto":  # ragged_dot costs ~E× its FLOPs on XLA:CPU; the padded-tile path does not
+        gmm_impl = "tiles" if jax.default_backend() == "cpu" else "ref"
     g = gmm(xs_PD, w_gate_EDF.astype(dt), group_sizes, impl=gmm_impl)
     u = gmm(xs_PD, w_up_EDF.astype(dt), group_sizes, impl=gmm_impl)
     ys_PD = gmm(act(g) * u, w_down_EFD.astype(dt), group_sizes, impl=gmm_impl)
@@ -243,7 +253,6 @@ class MoE(nnx.Module):
             ExpertSimilarity(jnp.eye(E, dtype=jnp.float32))
             if m.occult_max_devices is not None and m.prune == "similarity" else None
         )
-        self.record_routing = False  # set by occult profiling: sow the routing as nnx.Intermediate
 
     # ------------------------------------------------------------------ routing
     def router_logits(self, x_ND: jax.Array) -> jax.Array:
@@ -280,10 +289,6 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_BTD = x_BTD.astype(self.dtype)
         logits, probs, w_BTK, e_BTK, keep_BTK = self.routing(x_BTD)
-        if self.record_routing:
-            self.sow(nnx.Intermediate, "routing_experts", e_BTK)
-            self.sow(nnx.Intermediate, "routing_probs", probs.reshape(B, T, -1))
-            self.sow(nnx.Intermediate, "moe_inputs", x_BTD)
         aux = aux_losses(logits, probs, e_BTK.reshape(B * T, -1), m.num_experts, m.lb_loss_coef, m.z_loss_coef)
         w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
         ep_mesh = _expert_mesh(mesh, m.expert_axis)

@@ -145,7 +145,7 @@ def token_axes(mesh, batch_size: int, expert_axis: str) -> tuple[str, ...]:
 
 
 def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh,
-                        expert_axis: str = "expert", mode: str = "standard", act=jax.nn.silu, gmm_impl: str = "ref",
+                        expert_axis: str = "expert", mode: str = "standard", act=jax.nn.silu, gmm_impl: str = "auto",
                         expert_capacity: Optional[int] = None):
     """Expert-parallel routed FFN; equals ``expert_ffn_rows`` on one device (see module doc)."""
     B, T, D = x_BTD.shape

@@ -13,8 +13,8 @@ Occult's dispatch (``models/moe_dispatch.py``, ``MoEConfig.dispatch="occult"``) 
 This module holds the parts that change *which experts sit together* or *which experts a
 token may use*:
 
-* ``profile_routing`` / ``coactivation`` — run a model over profiling batches with routing
-  recorded (``nnx.Intermediate``) and build per-layer co-activation matrices
+* ``profile_routing`` / ``coactivation`` — run a model over profiling batches recording
+  each MoE layer's routing, and build per-layer co-activation matrices
   ``P[l, i, j]`` = number of tokens that selected both i and j (diagonal: load of i).
 * ``greedy_placement`` — Algorithm 1 as we read it: devices are filled one after another;
   each starts from the unassigned expert with the largest total collaboration with the
@@ -263,50 +263,51 @@ def set_similarity(state, similarity_LEE):
 
 
 # ----------------------------------------------------------------------------- profiling
-def _moe_modules(model) -> list:
-    from pallasite.models.moe import MoE
-
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
-
-
 def profile_routing(graphdef, state, batches: Iterable) -> dict:
-    """Run the model on ``batches`` (int [B, T] token arrays) with routing recorded and return,
-    per MoE layer (in depth order), ``experts`` [N, k], ``probs`` [N, E] and ``inputs`` [N, D]
-    (the MoE layer's input). List layout only (sow inside ``lax.scan`` is not collected)."""
+    """Run the model on ``batches`` (int [B, T] token arrays) and return, per MoE layer (in
+    depth order), the selected ``experts`` [N, k], router ``probs`` [N, E] and ``inputs``
+    [N, D] (the MoE layer's input, i.e. the post-attention-normed hidden state).
+
+    The blocks are stepped here (embed → per block: attention, norm, routing, FFN) because
+    the Transformer runs each block on a merged copy, so values sown inside would be lost;
+    the block code itself is the model's. List layout only (``scan_layers=False``)."""
+    from pallasite.models.moe import MoE
+    from pallasite.models.rope import inv_frequencies, rope_cos_sin
+
     model = nnx.merge(graphdef, state)
-    if model.cfg.scan_layers:
-        raise ValueError("profile_routing needs scan_layers=False (per-layer routing is recorded with sow)")
-    mods = _moe_modules(model)
-    if not mods:
+    cfg = model.cfg
+    if cfg.scan_layers:
+        raise ValueError("profile_routing needs scan_layers=False")
+    if not any(isinstance(b.ffn, MoE) for b in model.layers):
         raise ValueError("profile_routing: the model has no MoE layers")
-    for m in mods:
-        m.record_routing = True
-    gdef, st = nnx.split(model)
 
     @jax.jit
-    def run(st, tokens):
-        mdl = nnx.merge(gdef, st)
-        mdl(tokens)
-        return nnx.state(mdl, nnx.Intermediate)
+    def run(st, tokens_BT):
+        mdl = nnx.merge(graphdef, st)
+        B, T = tokens_BT.shape
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        rope = rope_cos_sin(pos, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
+        x = emb = mdl.embed(tokens_BT)
+        recs = []
+        for block in mdl.layers:
+            h, _ = block.attn(block.input_norm(x), pos, rope)
+            x = x + h
+            u = block.post_attn_norm(x)
+            if isinstance(block.ffn, MoE):
+                _, probs, _, e_BTK, _ = block.ffn.routing(u.astype(block.ffn.dtype))
+                recs.append((e_BTK.reshape(B * T, -1), probs, u.reshape(B * T, -1)))
+            y, _ = block.ffn(u, token_ids_BT=tokens_BT, embed_BTD=emb)
+            x = x + y
+        return recs
 
-    out = {"experts": [[] for _ in mods], "probs": [[] for _ in mods], "inputs": [[] for _ in mods]}
-    names = {"routing_experts": "experts", "routing_probs": "probs", "moe_inputs": "inputs"}
+    out = {"experts": [], "probs": [], "inputs": []}
     for tokens in batches:
-        inter = _flat(run(st, jnp.asarray(tokens)))
-        for rec, key in names.items():
-            items = sorted(((p, v) for p, v in inter.items() if rec in p), key=lambda pv: _layer_index(pv[0]))
-            for i, (_, v) in enumerate(items):
-                a = v[...]
-                a = np.asarray(a[0] if isinstance(a, tuple) else a)
-                out[key][i].append(a.reshape(-1, a.shape[-1]))
+        for i, (e, p, u) in enumerate(run(state, jnp.asarray(tokens))):
+            for key, val in zip(("experts", "probs", "inputs"), (e, p, u)):
+                if len(out[key]) <= i:
+                    out[key].append([])
+                out[key][i].append(np.asarray(val))
     return {k: [np.concatenate(x) for x in v] for k, v in out.items()}
-
-
-def _layer_index(path) -> int:
-    for p in path:
-        if isinstance(p, int) or (isinstance(p, str) and p.isdigit()):
-            return int(p)
-    return 0
 
 
 def coactivation(experts_NK: np.ndarray, num_experts: int) -> np.ndarray:

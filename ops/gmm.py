@@ -8,6 +8,9 @@ Rows past ``sum(group_sizes)`` give zeros. This is what a dropless MoE runs afte
 Implementations (``impl``):
 
 * ``"ref"`` — ``jax.lax.ragged_dot`` (XLA's grouped matmul; autodiff by XLA).
+* ``"tiles"`` — the kernel's padded-tile algorithm in plain XLA (gather, batched matmul,
+  gather back); autodiff by XLA. The fast choice on XLA:CPU, where ``ragged_dot`` costs
+  about G× the FLOPs.
 * ``"pallas"`` — a Pallas kernel with a ``jax.custom_vjp``:
   forward ``out = gmm(lhs, rhs)``, backward ``dlhs = gmm(dout, rhsᵀ)`` (the same kernel) and
   ``drhs = tgmm(lhs, dout)`` (a second kernel: per group, ``lhs_gᵀ · dout_g``).
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-__all__ = ["gmm", "gmm_reference", "tgmm_reference", "gmm_pallas", "tgmm_pallas", "default_interpret"]
+__all__ = ["gmm", "gmm_reference", "gmm_tiles", "tgmm_reference", "gmm_pallas", "tgmm_pallas", "default_interpret"]
 
 
 def default_interpret() -> bool:
@@ -106,6 +109,27 @@ def _padded_layout(group_sizes_G, M: int, bm: int):
 
 def _pad_to(x, shape):
     return jnp.pad(x, [(0, s - d) for d, s in zip(x.shape, shape)])
+
+
+def gmm_tiles(lhs_MK, rhs_GKN, group_sizes_G, *, block_m: int = 64):
+    """Grouped matmul in plain XLA over the padded grouped layout (the Pallas kernel's
+    algorithm without Pallas): rows are scattered so every ``block_m``-row tile belongs to
+    one group, each tile is multiplied by its group's matrix in one batched matmul, and the
+    rows are gathered back. FLOPs ≈ (M + G·block_m)·K·N, weights gathered per tile. On
+    XLA:CPU this is much faster than ``ragged_dot`` (which costs about G× the FLOPs there);
+    differentiable by autodiff (gathers and a batched dot)."""
+    _check(lhs_MK, rhs_GKN, group_sizes_G)
+    M, K = lhs_MK.shape
+    bm = _pow2_block(M, block_m)
+    num_tiles, dest_M, valid_M, tile_group, _, _ = _padded_layout(group_sizes_G, M, bm)
+    src = jnp.full((num_tiles * bm,), M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
+    lhs_pad = jnp.concatenate([lhs_MK, jnp.zeros((1, K), lhs_MK.dtype)], axis=0)
+    x_tmk = jnp.take(lhs_pad, src, axis=0).reshape(num_tiles, bm, K)  # gather: its VJP is a scatter-add
+    w_tkn = jnp.take(rhs_GKN, tile_group, axis=0)
+    y = jnp.einsum("tmk,tkn->tmn", x_tmk, w_tkn, precision=jax.lax.Precision.HIGHEST)
+    y = y.reshape(num_tiles * bm, -1)
+    out = jnp.take(y, jnp.minimum(dest_M, num_tiles * bm - 1), axis=0)
+    return jnp.where(valid_M[:, None], out, 0).astype(out.dtype)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -233,9 +257,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, impl: str = "ref", interpret: Optiona
     """Grouped matmul [M,K] × [G,K,N] → [M,N]; differentiable in lhs and rhs for both impls."""
     if impl == "ref":
         return gmm_reference(lhs_MK, rhs_GKN, group_sizes_G)
+    if impl == "tiles":
+        return gmm_tiles(lhs_MK, rhs_GKN, group_sizes_G, block_m=block_m)
     if impl == "pallas":
         _check(lhs_MK, rhs_GKN, group_sizes_G)
         interpret = default_interpret() if interpret is None else interpret
         blocks = (("block_k", block_k), ("block_m", block_m), ("block_n", block_n))
         return _gmm_pallas_vjp(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), interpret, blocks)
-    raise ValueError(f"gmm impl={impl!r}; expected 'ref' or 'pallas'")
+    raise ValueError(f"gmm impl={impl!r}; expected 'ref', 'tiles' or 'pallas'")

@@ -103,13 +103,14 @@ def test_capacity_keep_priority_and_drops():
     assert np.all(diff[~tok_has_drop] < 1e-6) and np.all(diff[tok_has_drop] > 1e-6)
 
 
-def test_pallas_gmm_layer_matches_ragged_dot():
-    layer = _layer(num_experts=4, top_k=2)
+@pytest.mark.parametrize("impl", ["pallas", "tiles"])
+def test_gmm_impls_in_layer_match_ragged_dot(impl):
+    layer = _layer(num_experts=4, top_k=2, gmm_impl="ref")
     x = jax.random.normal(jax.random.key(4), (2, 5, 16))
     y_ref, _ = _apply(layer, x)
-    pal = _layer(num_experts=4, top_k=2, gmm_impl="pallas")
-    nnx.update(pal, nnx.state(layer))
-    np.testing.assert_allclose(_apply(pal, x)[0], y_ref, atol=1e-5)
+    other = _layer(num_experts=4, top_k=2, gmm_impl=impl)
+    nnx.update(other, nnx.state(layer))
+    np.testing.assert_allclose(_apply(other, x)[0], y_ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
