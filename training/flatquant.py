@@ -1,0 +1,405 @@
+"""FlatQuant layer-wise calibration (Sun et al., "FlatQuant: Flatness Matters for LLM
+Quantization", ICML 2025; official ``flatquant/train_utils.py::cali_flat_quant``).
+
+Per decoder layer ``i`` (placement: see ``models/quantized.py``) the learnable parameters are
+
+* Kronecker transforms ``P = P1 ⊗ P2`` (``ln``, ``ug`` on d_model; ``down`` on d_ff; factor sizes
+  from ``decompose_dim``) and single transforms ``v``, ``k`` (head_dim) and ``o`` (n_heads), each
+  factor parameterised as ``U diag(s) Vᵀ`` with orthogonal U, V so ``P^{-T} = U diag(1/s) Vᵀ`` is
+  closed-form. U = B_U · Cayley(A_U): a fixed random orthogonal base (QR of a Gaussian with the
+  sign fix, as ``get_random_orthg``) times the Cayley map of a trained skew-symmetric
+  ``A = tril(X, −1) − tril(X, −1)ᵀ``, X initialised at 0 (deviation: torch's
+  ``orthogonal(..., "cayley", use_trivialization=False)`` maps the stored matrix itself through
+  Cayley; ours starts exactly at the random orthogonal init), ``s = 1``;
+* per-channel scales ``c`` for ``ln``, ``ug``, ``down`` (``--add_diag``), initialised
+  SmoothQuant-style ``c = max|W|^{1−α} / max|X|^{α}`` with α = 0.3, clamped ≥ 1e-5 (statistics
+  from the full-precision pass of this layer);
+* learnable weight clipping per output channel (two sigmoid logits per row, init 4) for every
+  linear, learnable activation clipping (one sigmoid-logit pair per quantizer, init 4) for every
+  linear's input and for the K and V cache quantizers.
+
+Objective and optimiser, as the official recipe: the inputs of layer i are the **full-precision
+outputs of the full-precision layer i−1**; loss = MSE(FP layer(x), quantized layer(x)) divided by
+its own detached value; AdamW with torch's default weight decay 0.01 (set explicitly: optax's
+default differs), betas (0.9, 0.999), eps 1e-8, lr 5e-3 for transforms and scales and 10× for the
+clip logits, cosine decay to 1e-3× over ``epochs · nsamples / batch`` steps with no warmup,
+15 epochs, batch 4, float32 throughout (half precision can make transforms singular — official
+issues #16/#20). Calibration data size is configurable (paper: 128 windows × 2048 tokens).
+
+Quantizers during calibration: W4 (symmetric per output channel, recomputed every step from
+the transformed, clipped weight), A4 (symmetric per token, LAC), K4/V4 (asymmetric per head,
+LAC); queries stay full precision (``q_bits = 16``), all with straight-through rounding.
+
+Failures stop and name the layer: a non-finite loss (``FloatingPointError``) or a transform
+whose singular values leave ``[1e-6, 1e6]·max`` (``np.linalg.LinAlgError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pallasite.models.config import ModelConfig
+from pallasite.models.quantized import check_quantizable, decompose_dim
+from pallasite.models.rope import inv_frequencies
+from pallasite.ops.quant.quantizers import (LAC_INIT, fake_quant_act_sym, fake_quant_kv_asym, fake_quant_weight_sym,
+                                            weight_clip)
+
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bits:
+    w: int = 4
+    a: int = 4
+    kv: int = 4
+
+
+FP_BITS = Bits(16, 16, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibConfig:
+    nsamples: int = 128  # calibration windows
+    seq_len: int = 2048
+    batch: int = 4
+    epochs: int = 15
+    lr: float = 5e-3
+    clip_lr_mult: float = 10.0
+    weight_decay: float = 0.01  # torch AdamW default, as the official code uses
+    diag_alpha: float = 0.3
+    seed: int = 0
+
+
+# ====================================================================== functional layer
+def rms_norm(x, g, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+
+def rope_tables(cfg: ModelConfig, T: int, dtype):
+    inv = inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict)
+    freqs = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return jnp.asarray(np.cos(emb), dtype), jnp.asarray(np.sin(emb), dtype)
+
+
+def _rope(x_BTHD, cos, sin):
+    half = x_BTHD.shape[-1] // 2
+    rot = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
+    return x_BTHD * cos[None, :, None, :] + rot * sin[None, :, None, :]
+
+
+def _attention(q, k, v, window: Optional[int]):
+    B, T, H, Dh = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, Dh)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(Dh)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= (i - j) < window
+    logits = jnp.where(jnp.asarray(mask), logits, jnp.asarray(-1e30, logits.dtype))
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, H, Dh)
+
+
+def kron_apply(x, pair):
+    """``x @ kron(L, R)`` via the row-major reshape (``Lᵀ X R``); ``pair`` None = identity."""
+    if pair is None:
+        return x
+    L, R = pair
+    n1, n2 = L.shape[0], R.shape[0]
+    X = x.reshape(*x.shape[:-1], n1, n2)
+    return jnp.einsum("ai,...ak,kb->...ib", L, X, R).reshape(x.shape)
+
+
+def _tw(kern, c, inv_t):
+    """Weight transform on the input dim: column-wise ``(w / c) @ kron(L^{-T}, R^{-T})``."""
+    if c is not None:
+        kern = kern / c[:, None]
+    if inv_t is not None:
+        kern = kron_apply(kern.T, inv_t).T
+    return kern
+
+
+def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bits = FP_BITS, *,
+                  rope=None, collect: bool = False):
+    """One Llama-style decoder layer as a pure function, in x's dtype (float64-capable).
+
+    ``t`` holds resolved transforms (``resolve``) or None; with all bits = 16 and any invertible
+    transforms the output equals the plain layer (exact invariance). ``collect=True`` also returns
+    per-channel absmax of the three quantized inputs (for the SmoothQuant-style init)."""
+    t = t or {}
+    dt = x_BTD.dtype
+    B, T, D = x_BTD.shape
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.dh
+    cos, sin = rope if rope is not None else rope_tables(cfg, T, dt)
+    lwc, lac = t.get("lwc") or {}, t.get("lac") or {}
+    stats = {}
+
+    def linear(xt, name, c=None, inv_t=None, out_head=None):
+        kern = _tw(w[name].astype(dt), c, inv_t)
+        if lwc.get(name) is not None and bits.w < 16:  # LWC is part of the weight quantizer
+            kern = weight_clip(kern, lwc[name])
+        bias = w.get(name + "_bias")
+        if out_head is not None:
+            kern = jnp.einsum("ikd,de->ike", kern.reshape(D, K, Dh), out_head).reshape(kern.shape)
+            if bias is not None:
+                bias = (bias.reshape(K, Dh) @ out_head).reshape(-1)
+        kern = fake_quant_weight_sym(kern, bits.w)
+        y = fake_quant_act_sym(xt, lac.get(name), bits.a) @ kern
+        return y if bias is None else y + bias
+
+    h = rms_norm(x_BTD, w["input_norm"].astype(dt), cfg.norm_eps)
+    if collect:
+        stats["ln"] = jnp.max(jnp.abs(h), axis=(0, 1))
+    hx = kron_apply(h * t["c_ln"] if t.get("c_ln") is not None else h, t.get("ln"))
+    q = linear(hx, "q", t.get("c_ln"), t.get("ln_inv_t")).reshape(B, T, H, Dh)
+    k = linear(hx, "k", t.get("c_ln"), t.get("ln_inv_t")).reshape(B, T, K, Dh)
+    v = linear(hx, "v", t.get("c_ln"), t.get("ln_inv_t"), out_head=t.get("v")).reshape(B, T, K, Dh)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if t.get("k") is not None:  # key-cache transform after RoPE; queries get the inverse-transpose
+        q = q @ t["k_inv_t"]
+        k = k @ t["k"]
+    k = fake_quant_kv_asym(k, t.get("k_clip"), bits.kv)
+    v = fake_quant_kv_asym(v, t.get("v_clip"), bits.kv)
+    attn = _attention(q, k, v, cfg.sliding_window).reshape(B, T, H * Dh)
+    o_inv = None
+    if t.get("o") is not None or t.get("v") is not None:
+        eyeH, eyeD = jnp.eye(H, dtype=dt), jnp.eye(Dh, dtype=dt)
+        o_inv = (t["o_inv_t"] if t.get("o") is not None else eyeH, t["v_inv_t"] if t.get("v") is not None else eyeD)
+        if t.get("o") is not None:
+            attn = kron_apply(attn, (t["o"], eyeD))
+    x = x_BTD + linear(attn, "o", None, o_inv)
+    h2 = rms_norm(x, w["post_norm"].astype(dt), cfg.norm_eps)
+    if collect:
+        stats["ug"] = jnp.max(jnp.abs(h2), axis=(0, 1))
+    hu = kron_apply(h2 * t["c_ug"] if t.get("c_ug") is not None else h2, t.get("ug"))
+    g = linear(hu, "gate", t.get("c_ug"), t.get("ug_inv_t"))
+    u = linear(hu, "up", t.get("c_ug"), t.get("ug_inv_t"))
+    a = jax.nn.silu(g) * u
+    if collect:
+        stats["down"] = jnp.max(jnp.abs(a), axis=(0, 1))
+    ad = kron_apply(a * t["c_down"] if t.get("c_down") is not None else a, t.get("down"))
+    out = x + linear(ad, "down", t.get("c_down"), t.get("down_inv_t"))
+    return (out, stats) if collect else out
+
+
+# ====================================================================== transform parameters
+def random_orthogonal(n: int, rng: np.random.Generator) -> np.ndarray:
+    """QR of a Gaussian with the sign fix (official ``get_random_orthg``)."""
+    Q, R = np.linalg.qr(rng.standard_normal((n, n)))
+    return Q * np.sign(np.diag(R))[None, :]
+
+
+def cayley(X):
+    """Orthogonal matrix from an unconstrained X via the skew part A of its strict lower triangle."""
+    Lo = jnp.tril(X, -1)
+    A = Lo - Lo.T
+    eye = jnp.eye(X.shape[0], dtype=X.dtype)
+    return jnp.linalg.solve(eye - 0.5 * A, eye + 0.5 * A)
+
+
+def _svd_factor(n, rng):
+    return ({"xu": np.zeros((n, n), np.float32), "xv": np.zeros((n, n), np.float32), "s": np.ones(n, np.float32)},
+            {"bu": random_orthogonal(n, rng).astype(np.float32), "bv": random_orthogonal(n, rng).astype(np.float32)})
+
+
+def _factor_matrices(p, b):
+    U = b["bu"] @ cayley(p["xu"])
+    V = b["bv"] @ cayley(p["xv"])
+    M = (U * p["s"][None, :]) @ V.T
+    M_it = (U / p["s"][None, :]) @ V.T
+    return M, M_it
+
+
+def init_flatquant_params(cfg: ModelConfig, w: dict, stats: dict, ccfg: CalibConfig, rng: np.random.Generator):
+    """(trainable θ, frozen bases) for one layer; c from the SmoothQuant-style init."""
+    D, F, H, Dh = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.dh
+    theta, frozen = {}, {}
+    for name, n in (("ln", D), ("ug", D), ("down", F)):
+        n1, n2 = decompose_dim(n)
+        (pl_, bl), (pr, br) = _svd_factor(n1, rng), _svd_factor(n2, rng)
+        theta[name], frozen[name] = {"L": pl_, "R": pr}, {"L": bl, "R": br}
+    for name, n in (("v", Dh), ("o", H), ("k", Dh)):
+        theta[name], frozen[name] = _svd_factor(n, rng)
+    alpha = ccfg.diag_alpha
+
+    def init_c(wmax, xmax):
+        return np.maximum(np.power(wmax, 1 - alpha) / np.power(np.maximum(xmax, 1e-5), alpha), 1e-5).astype(np.float32)
+
+    absmax_in = lambda *ks: np.max(np.stack([np.abs(np.asarray(w[k])).max(axis=1) for k in ks]), axis=0)  # noqa: E731
+    theta["c_ln"] = init_c(absmax_in("q", "k", "v"), np.asarray(stats["ln"]))
+    theta["c_ug"] = init_c(absmax_in("gate", "up"), np.asarray(stats["ug"]))
+    theta["c_down"] = init_c(absmax_in("down"), np.asarray(stats["down"]))
+    theta["lwc"] = {n: np.full((w[n].shape[1], 2), LAC_INIT, np.float32) for n in LINEARS}
+    theta["lac"] = {n: np.full((2,), LAC_INIT, np.float32) for n in LINEARS}
+    theta["k_clip"] = np.full((2,), LAC_INIT, np.float32)
+    theta["v_clip"] = np.full((2,), LAC_INIT, np.float32)
+    return jax.tree.map(jnp.asarray, theta), jax.tree.map(jnp.asarray, frozen)
+
+
+def resolve(theta: dict, frozen: dict) -> dict:
+    """Trainable parameters → transform matrices and inverse-transposes (differentiable)."""
+    t = {}
+    for name in ("ln", "ug", "down"):
+        L, L_it = _factor_matrices(theta[name]["L"], frozen[name]["L"])
+        R, R_it = _factor_matrices(theta[name]["R"], frozen[name]["R"])
+        t[name], t[name + "_inv_t"] = (L, R), (L_it, R_it)
+        t["c_" + name] = theta["c_" + name]
+    for name in ("v", "o", "k"):
+        t[name], t[name + "_inv_t"] = _factor_matrices(theta[name], frozen[name])
+    for key in ("lwc", "lac", "k_clip", "v_clip"):
+        t[key] = theta[key]
+    return t
+
+
+def singular_values(theta: dict) -> dict:
+    """|s| of every factor (U, V orthogonal ⇒ these are the singular values of the factor)."""
+    out = {}
+    for name in ("ln", "ug", "down"):
+        out[name + ".left"] = np.abs(np.asarray(theta[name]["L"]["s"]))
+        out[name + ".right"] = np.abs(np.asarray(theta[name]["R"]["s"]))
+    for name in ("v", "o", "k"):
+        out[name] = np.abs(np.asarray(theta[name]["s"]))
+    for name in ("c_ln", "c_ug", "c_down"):
+        out[name] = np.abs(np.asarray(theta[name]))
+    return out
+
+
+def check_transforms(theta: dict, layer: int, rcond: float = 1e-6) -> None:
+    for name, s in singular_values(theta).items():
+        smax = float(np.max(s)) if s.size else 0.0
+        if not np.all(np.isfinite(s)) or smax == 0.0 or float(np.min(s)) < rcond * smax:
+            raise np.linalg.LinAlgError(
+                f"FlatQuant calibration: layer {layer} transform {name!r} is singular or non-finite "
+                f"(singular values min {np.min(s):.3g}, max {smax:.3g}; allowed ratio >= {rcond})")
+
+
+def to_numpy_f64(t: dict) -> dict:
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), t)
+
+
+# ====================================================================== calibration loop
+def _labels(theta):
+    def lab(path, _):
+        top = path[0].key if hasattr(path[0], "key") else str(path[0])
+        return "clip" if top in ("lwc", "lac", "k_clip", "v_clip") else "trans"
+    return jax.tree_util.tree_map_with_path(lab, theta)
+
+
+def make_optimizer(theta, ccfg: CalibConfig, total_steps: int):
+    def adamw(lr):
+        sched = optax.cosine_decay_schedule(lr, max(1, total_steps), alpha=1e-3)
+        return optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8, weight_decay=ccfg.weight_decay)
+
+    return optax.multi_transform({"trans": adamw(ccfg.lr), "clip": adamw(ccfg.lr * ccfg.clip_lr_mult)}, _labels(theta))
+
+
+def embed_tokens(pure: dict, tokens_NT) -> jax.Array:
+    return jnp.take(jnp.asarray(pure["embed"]["embedding"], jnp.float32), jnp.asarray(tokens_NT), axis=0)
+
+
+def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibConfig = CalibConfig(), *,
+              bits: Bits = Bits(), log: Callable[[str], None] = print, layer_weights_fn=None,
+              max_layers: Optional[int] = None):
+    """Layer-wise FlatQuant calibration. Returns (resolved transforms per layer as float64 numpy,
+    history: list of per-layer lists of per-epoch mean MSE)."""
+    from pallasite.models.quantized import layer_weights
+
+    check_quantizable(cfg)
+    layer_weights_fn = layer_weights_fn or (lambda i: layer_weights(pure, cfg, i))
+    tokens_NT = np.asarray(tokens_NT)
+    N, T = tokens_NT.shape
+    bsz = min(ccfg.batch, N)
+    steps_per_epoch = N // bsz
+    rope = rope_tables(cfg, T, jnp.float32)
+    rng = np.random.default_rng(ccfg.seed)
+
+    fp_fn = jax.jit(lambda w, x: layer_forward(w, None, x, cfg, FP_BITS, rope=rope, collect=True))
+
+    def loss_fn(theta, frozen, w, x, target):
+        out = layer_forward(w, resolve(theta, frozen), x, cfg, bits, rope=rope)
+        return jnp.mean((out - target) ** 2)
+
+    opt = None  # built from the first layer's θ (same structure for every layer), so one compile
+
+    def step(theta, opt_state, frozen, w, x, target):
+        mse, grads = jax.value_and_grad(loss_fn)(theta, frozen, w, x, target)
+        # loss / loss.detach(): the gradient is scaled by 1 / mse (official normalisation)
+        grads = jax.tree.map(lambda g: g / jax.lax.stop_gradient(mse), grads)
+        updates, opt_state = opt.update(grads, opt_state, theta)
+        return optax.apply_updates(theta, updates), opt_state, mse
+
+    x_in = embed_tokens(pure, tokens_NT)
+    n_layers = cfg.n_layers if max_layers is None else min(max_layers, cfg.n_layers)
+    resolved, history = [], []
+    step_jit = None
+    for i in range(n_layers):
+        t0 = time.time()
+        w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights_fn(i).items()}
+        outs, stats = [], None
+        for b in range(0, N, bsz):
+            o, s = fp_fn(w, x_in[b:b + bsz])
+            outs.append(o)
+            stats = s if stats is None else jax.tree.map(jnp.maximum, stats, s)
+        x_out = jnp.concatenate(outs, axis=0)
+        theta, frozen = init_flatquant_params(cfg, {k: np.asarray(v) for k, v in w.items() if v is not None},
+                                              stats, ccfg, rng)
+        if opt is None:
+            opt = make_optimizer(theta, ccfg, ccfg.epochs * steps_per_epoch)
+            step_jit = jax.jit(step, donate_argnums=(0, 1))
+        opt_state = opt.init(theta)
+        epoch_mse = []
+        for epoch in range(ccfg.epochs):
+            tot = 0.0
+            for j in range(steps_per_epoch):
+                sl = slice(j * bsz, (j + 1) * bsz)
+                theta, opt_state, mse = step_jit(theta, opt_state, frozen, w, x_in[sl], x_out[sl])
+                tot += float(mse)
+            m = tot / steps_per_epoch
+            if not math.isfinite(m):
+                raise FloatingPointError(f"FlatQuant calibration: non-finite loss ({m}) at layer {i}, epoch {epoch}")
+            epoch_mse.append(m)
+        check_transforms(theta, i)
+        resolved.append(to_numpy_f64(resolve(theta, frozen)))
+        history.append(epoch_mse)
+        log(f"flatquant layer {i}: mse {epoch_mse[0]:.3e} -> {epoch_mse[-1]:.3e} ({time.time() - t0:.1f}s)")
+        x_in = x_out  # the FP output of the FP layer feeds the next layer
+    return resolved, history
+
+
+def folded_layer_forward(folded: dict, x_BTD, cfg: ModelConfig, k_trans=None, q_trans=None, *, rope=None):
+    """The deployed layer with quantizers off, in x's dtype: folded weights from
+    ``models.quantized.fold_layer``, online Kronecker transforms at the linear inputs and the K
+    transform after RoPE — what ``QuantLinear`` + ``KV4Cache`` compute, minus quantization.
+    Used to prove that folding is exact (float64)."""
+    dt = x_BTD.dtype
+    B, T, D = x_BTD.shape
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.dh
+    cos, sin = rope if rope is not None else rope_tables(cfg, T, dt)
+    cast = lambda a: None if a is None else jnp.asarray(a, dt)  # noqa: E731
+
+    def lin(xin, name):
+        pair = folded["online"].get(name)
+        xt = kron_apply(xin, None if pair is None else (cast(pair[0]), cast(pair[1])))
+        y = xt @ cast(folded[name])
+        b = cast(folded.get(name + "_bias"))
+        return y if b is None else y + b
+
+    h = rms_norm(x_BTD, cast(folded["input_norm"]), cfg.norm_eps)
+    q = _rope(lin(h, "q").reshape(B, T, H, Dh), cos, sin)
+    k = _rope(lin(h, "k").reshape(B, T, K, Dh), cos, sin)
+    v = lin(h, "v").reshape(B, T, K, Dh)
+    if k_trans is not None:
+        q, k = q @ cast(q_trans), k @ cast(k_trans)
+    x = x_BTD + lin(_attention(q, k, v, cfg.sliding_window).reshape(B, T, H * Dh), "o")
+    h2 = rms_norm(x, cast(folded["post_norm"]), cfg.norm_eps)
+    return x + lin(jax.nn.silu(lin(h2, "gate")) * lin(h2, "up"), "down")
