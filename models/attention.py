@@ -28,7 +28,10 @@ class Attention(nnx.Module):
         self.k_proj = make_linear(D, K * Dh, cfg=cfg, axes=("embed", "kv_heads"), use_bias=cfg.qkv_bias, rngs=rngs)
         self.v_proj = make_linear(D, K * Dh, cfg=cfg, axes=("embed", "kv_heads"), use_bias=cfg.qkv_bias, rngs=rngs)
         self.o_proj = make_linear(H * Dh, D, cfg=cfg, axes=("q_heads", "embed"), use_bias=cfg.o_bias, rngs=rngs)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "full":  # OLMoE: one RMSNorm over all heads
+            self.q_norm = RMSNorm(H * Dh, cfg=cfg, axis_name="q_heads")
+            self.k_norm = RMSNorm(K * Dh, cfg=cfg, axis_name="kv_heads")
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg=cfg, axis_name="head_dim")
             self.k_norm = RMSNorm(Dh, cfg=cfg, axis_name="head_dim")
         else:
@@ -45,10 +48,13 @@ class Attention(nnx.Module):
     ):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).reshape(B, T, cfg.n_heads, cfg.dh)
-        k = self.k_proj(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.dh)
+        q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
+        if self.q_norm is not None and cfg.qk_norm_scope == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(B, T, cfg.n_heads, cfg.dh)
+        k = k.reshape(B, T, cfg.n_kv_heads, cfg.dh)
         v = self.v_proj(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.dh)
-        if self.q_norm is not None:
+        if self.q_norm is not None and cfg.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

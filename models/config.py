@@ -60,6 +60,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
+    qk_norm_scope: str = "head"  # head: RMSNorm per head (Qwen3) | full: over the whole q/k projection (OLMoE)
     sliding_window: Optional[int] = None  # Mistral
     hidden_act: str = "silu"
     family: str = "llama"
@@ -118,6 +119,7 @@ class ModelConfig:
         need(self.dh % 2 == 0, f"head_dim={self.dh} must be even for rotary embeddings")
         need(self.ffn in FFN_KINDS, f"ffn={self.ffn!r}; expected one of {FFN_KINDS}")
         need(self.attention_impl in ATTENTION_IMPLS, f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+        need(self.qk_norm_scope in ("head", "full"), f"qk_norm_scope={self.qk_norm_scope!r}; expected head | full")
         need(self.remat in ("none", "full", "dots"), f"remat={self.remat!r}; expected none | full | dots")
         need(self.hidden_act in ("silu", "gelu", "gelu_exact"), f"hidden_act={self.hidden_act!r}; expected silu | gelu | gelu_exact")
 

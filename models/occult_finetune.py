@@ -59,6 +59,8 @@ def byte_batches(data: np.ndarray, batch: int, seq_len: int, seed: int) -> Itera
 
 def is_moe_param(path) -> bool:
     names = [str(p) for p in path]
+    if names and names[-1] == "value":  # pytree key paths end in the Variable's value field
+        names = names[:-1]
     return "ffn" in names and (names[-1] in MOE_PARAM_NAMES or "shared_expert" in names)
 
 
