@@ -49,7 +49,7 @@ Layout (a pytree whose leaves all carry the leading layer axis, like ``DenseKVCa
 slices one layer at a time, so every layer has the same shapes): a mask with the same count in
 every layer wastes nothing; the paper's global mask has varying counts and this layout then pads
 (``memory_report`` gives the padded and the ideal bytes). ``calibrate_head_mask(per_layer=True)``
-balances the count per layer (a deviation from static.py, off by default).
+balances the count per layer to ``round(r·K)`` (a deviation from static.py, off by default).
 
 Calls: a call with T > 1 tokens is the prefill (positions 0..T-1, one call for the whole
 prompt, as the official code); T = 1 calls are decode steps. Rows of a batch may have different
@@ -233,8 +233,8 @@ def calibrate_head_mask(cv_SLK, r: float, *, per_layer: bool = False) -> np.ndar
     mean_cv = np.nanmean(np.where(np.isfinite(cv), cv, np.nan), axis=0)
     mean_cv = np.nan_to_num(mean_cv, nan=np.inf)
     mask = np.zeros((L, K), bool)
-    if per_layer:
-        n_keep = int(math.ceil(r * K))
+    if per_layer:  # round(r·K) per layer (r·K is rarely whole: SmolLM2 has K = 3)
+        n_keep = int(round(r * K))
         for layer in range(L):
             order = np.lexsort((mean_cv[layer], -votes[layer]))
             mask[layer, order[:n_keep]] = True
@@ -373,22 +373,29 @@ class CateKVCache:
         return out.reshape(B, T, H, D)
 
     def _decode(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret):
-        B, T, H, D = q_BTHD.shape
         k_full, v_full, k_sparse, v_sparse = self._write(k_BTKD, v_BTKD, positions_BT, self.sparse_offset)
+        new = self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse)
+        return new.attend(q_BTHD, positions_BT, impl=impl, interpret=interpret), new
+
+    def attend(self, q_BTHD, positions_BT, *, impl="ref", interpret=None):
+        """Attention of queries at ``positions_BT`` over the current contents (no write):
+        adaptive heads over the full part, consistent heads over their kept entries, outputs
+        scattered back into head order. ``impl="pallas"`` with T == 1 runs ``decode_attention``."""
+        B, T, H, D = q_BTHD.shape
         q_full, q_sparse = self._split_q(q_BTHD)
-        A, Cn = q_full.shape[2], q_sparse.shape[2]
         G = H // self.cv.shape[-1]
-        pos = positions_BT[:, 0]
-        if impl == "pallas":
+        if impl == "pallas" and T == 1:
             from pallasite.ops.attention.decode import decode_attention, dense_source
+
+            pos = positions_BT[:, 0]
 
             def part(qp, kc, vc, kv_len):
                 if qp.shape[2] == 0:
                     return jnp.zeros(qp.shape, jnp.float32)
                 return decode_attention(qp[:, 0], dense_source(kc, vc), kv_len, interpret=interpret)[:, None]
 
-            o_full = part(q_full, k_full, v_full, pos + 1)
-            o_sparse = part(q_sparse, k_sparse, v_sparse, pos + self.sparse_offset + 1)
+            o_full = part(q_full, self.k_full, self.v_full, pos + 1)
+            o_sparse = part(q_sparse, self.k_sparse, self.v_sparse, pos + self.sparse_offset + 1)
         else:
             def part(qp, kc, vc, k_positions):
                 n = qp.shape[2]
@@ -398,12 +405,11 @@ class CateKVCache:
                               q_positions_BT=positions_BT, k_positions_BS=k_positions, causal=True, impl="ref")
                 return o.reshape(B, T, n, G, D)
 
-            S, P = k_full.shape[1], k_sparse.shape[1]
-            o_full = part(q_full, k_full, v_full, jnp.broadcast_to(jnp.arange(S), (B, S)))
+            S, P = self.k_full.shape[1], self.k_sparse.shape[1]
+            o_full = part(q_full, self.k_full, self.v_full, jnp.broadcast_to(jnp.arange(S), (B, S)))
             # sparse slot s holds "virtual position" s - offset: prefill entries < N, appended ones = p
-            o_sparse = part(q_sparse, k_sparse, v_sparse, jnp.arange(P)[None, :] - self.sparse_offset[:, None])
-        out = self._merge(o_full, o_sparse, q_BTHD.shape).astype(q_BTHD.dtype)
-        return out, self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse)
+            o_sparse = part(q_sparse, self.k_sparse, self.v_sparse, jnp.arange(P)[None, :] - self.sparse_offset[:, None])
+        return self._merge(o_full, o_sparse, q_BTHD.shape).astype(q_BTHD.dtype)
 
     def _prefill(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret):
         """Whole-prompt call: attend within the prompt, classify, select, fill both parts."""
@@ -415,7 +421,16 @@ class CateKVCache:
         Q = min(cfg.last_q, T)
         q_idx = jnp.clip(lengths[:, None] - Q + jnp.arange(Q), 0, T - 1)
         q_last = jnp.take_along_axis(q_BTHD, q_idx[:, :, None, None], axis=1)
-        A, valid = middle_attention(q_last, k_BTKD, lengths, cfg)
+        return out, self.fill(q_last, k_BTKD, v_BTKD, lengths)
+
+    def fill(self, q_last_BQHD, k_BTKD, v_BTKD, lengths_B):
+        """Classify + select from one layer's prompt K/V (positions 0..T-1) and its last queries;
+        returns the filled cache. (The prefill's attention itself is not part of this.)"""
+        cfg = self.cfg
+        B, T = k_BTKD.shape[:2]
+        lengths = lengths_B.astype(jnp.int32)
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        A, valid = middle_attention(q_last_BQHD, k_BTKD, lengths, cfg)
         cv, _ = classify_heads(A, valid, cfg)
         scores = chunk_scores(A, valid, cfg)
         take = functools.partial(jnp.take, axis=1, mode="fill", fill_value=-jnp.inf)
@@ -435,9 +450,8 @@ class CateKVCache:
         take_h = functools.partial(jnp.take, axis=2, mode="fill", fill_value=0)
         k_full = self.k_full.at[rows, positions_BT].set(take_h(k_BTKD, self.full_heads).astype(self.k_full.dtype), mode="drop")
         v_full = self.v_full.at[rows, positions_BT].set(take_h(v_BTKD, self.full_heads).astype(self.v_full.dtype), mode="drop")
-        new = self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse,
-                           sparse_offset=count_B - lengths, cv=cv.astype(jnp.float32))
-        return out, new
+        return self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse,
+                            sparse_offset=count_B - lengths, cv=cv.astype(jnp.float32))
 
 
 def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *, catekv_cfg: CateKVConfig = CateKVConfig(),

@@ -280,3 +280,18 @@ def test_memory_report_matches_ideal_ratio_at_32k():
                         head_mask_LK=uneven)
     assert rep["adaptive_slots_per_layer"] == 6 and rep["consistent_slots_per_layer"] == 7
     assert rep["ratio"] < rep["ideal_ratio"]
+
+
+def test_engine_cache_factory_decodes_like_forward(model):
+    """inference.engine with catekv_cache_factory (sparse mask) == prefill + greedy via forward."""
+    from pallasite.inference import engine as E
+    from pallasite.inference.cache.catekv import catekv_cache_factory
+
+    gd, st = model
+    mask = np.array([[True, False], [False, False]])
+    prompt = np.asarray(_tokens(B=1, T=112, seed=11))[0].tolist()  # multiple of 16: no engine padding
+    got = E.generate_ids(gd, st, CFG, [prompt], max_new_tokens=N_NEW,
+                         cache_factory=catekv_cache_factory(mask, SMALL, max_new_tokens=N_NEW), cache_len=128)
+    cache = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+    _, ids, _ = _greedy(model, cache, jnp.asarray([prompt]))
+    assert got[0] == np.asarray(ids[0]).tolist()

@@ -1,0 +1,191 @@
+"""Attention benchmark: flash (Pallas) vs reference prefill, and one decode step of attention over
+a full KV cache vs the CateKV hybrid cache at long context, side by side in one process.
+
+    python -m pallasite.benchmarks.attention --quick      # < 3 min on 2 CPU cores, reaches 32k
+
+Decode: one layer of a Llama-like shape chosen so that r·K is a whole number of heads for both
+r = 0.4 and r = 0.3 (K = 10 KV heads, G = 2, head_dim 128, batch 1), 128 slots of decode room in
+both caches. The CateKV cache is filled by its real selection code (``CateKVCache.fill``: middle
+attention of 64 last queries, CV, chunk scores, top chunks) from random K/V. Timed: the attention
+of one new token over the cache contents (``reference_attention`` over the dense cache vs
+``CateKVCache.attend``: two attentions over the adaptive part and the kept entries, plus the head
+gather / scatter), compiled XLA on CPU; on a GPU the Pallas decode kernel for both (and the XLA
+path too). Memory: bytes of the arrays each cache allocates (index tables included) and the
+paper's ideal ratio ``1 / (r + (1 − r)·B/N)``.
+
+Prefill: on CPU the Pallas kernel only runs in interpret mode (correctness, not speed), so the
+CPU row reports the XLA reference time and the interpret-mode error; on a GPU the Triton kernel
+is timed against the XLA reference.
+
+The last line printed is one JSON object; ``catekv_memory_ratio`` / ``catekv_decode_speedup``
+are full ÷ CateKV at r = 0.4, B = 2048 at the longest context measured (``context``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallasite.inference.cache.catekv import CateKVConfig, init_catekv_cache, memory_report
+from pallasite.models.config import ModelConfig
+from pallasite.ops.attention.reference import attention as reference_attention
+
+
+def _time(fn, *args, iters=10, warmup=2):
+    out = None
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+def _interleaved(fns, args_list, rounds=5, iters=4):
+    """Median time of each fn, measured in alternating rounds (fair on a noisy shared machine)."""
+    for fn, a in zip(fns, args_list):
+        jax.block_until_ready(fn(*a))
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, (fn, a) in enumerate(zip(fns, args_list)):
+            samples[i].append(_time(fn, *a, iters=iters, warmup=0))
+    return [float(np.median(s)) for s in samples]
+
+
+def decode_bench(context: int, r: float, *, K=10, G=2, D=128, new=128, dtype=jnp.float32, use_pallas=False, seed=0,
+                 rounds=5):
+    L = 1
+    cfg = ModelConfig(vocab_size=16, d_model=K * G * D, n_layers=L, n_heads=K * G, n_kv_heads=K, head_dim=D, d_ff=16,
+                      dtype=jnp.dtype(dtype).name)
+    ccfg = CateKVConfig(budget=2048, adaptive_ratio=r)
+    n_adaptive = int(round(r * K))
+    mask = np.zeros((L, K), bool)
+    mask[:, :n_adaptive] = True
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    S = context + new
+    k = jax.random.normal(ks[0], (1, context, K, D), dtype)
+    v = jax.random.normal(ks[1], (1, context, K, D), dtype)
+    q_last = jax.random.normal(ks[2], (1, ccfg.last_q, K * G, D), dtype)
+    q = jax.random.normal(ks[3], (1, 1, K * G, D), dtype)
+    dense_k = jnp.zeros((1, S, K, D), dtype).at[:, :context].set(k)
+    dense_v = jnp.zeros((1, S, K, D), dtype).at[:, :context].set(v)
+    cache = init_catekv_cache(cfg, 1, S, mask, catekv_cfg=ccfg, max_new_tokens=new, dtype=dtype)
+    layer = jax.tree.map(lambda a: a[0], cache)
+    layer = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.array([context])))(layer, q_last, k, v)
+    del k, v
+    pos = jnp.array([[context - 1]], jnp.int32)  # attend as the last prompt token would (all N entries)
+
+    full_ref = jax.jit(lambda q, kc, vc, p: reference_attention(q, kc, vc, q_positions_BT=p))
+    cate_ref = jax.jit(lambda c, q, p: c.attend(q, p, impl="ref"))
+    t_full, t_cate = _interleaved([full_ref, cate_ref], [(q, dense_k, dense_v, pos), (layer, q, pos)], rounds=rounds,
+                                  iters=2 if rounds < 5 else 4)
+    err = float(jnp.max(jnp.abs(cate_ref(layer, q, pos).astype(jnp.float32) -
+                                full_ref(q, dense_k, dense_v, pos).astype(jnp.float32))))
+    full_bytes = int(dense_k.nbytes + dense_v.nbytes)
+    cate_bytes = int(sum(a.nbytes for a in jax.tree.leaves(layer)))
+    rep = memory_report(n_layers=1, n_kv_heads=K, head_dim=D, context=context, new_tokens=new, adaptive_ratio=r,
+                        catekv_cfg=ccfg, dtype_bytes=jnp.dtype(dtype).itemsize)
+    assert rep["full_bytes"] == full_bytes, (rep, full_bytes)
+    row = {"context": context, "r": r, "full_ms": 1e3 * t_full, "catekv_ms": 1e3 * t_cate,
+           "speedup": t_full / t_cate, "full_bytes": full_bytes, "catekv_bytes": cate_bytes,
+           "memory_ratio": full_bytes / cate_bytes, "ideal_ratio": rep["ideal_ratio"],
+           "formula_ratio": rep["ratio"], "max_abs_diff_vs_full": err}
+    if use_pallas:
+        from pallasite.ops.attention.decode import dense_decode
+
+        full_pl = jax.jit(lambda q, kc, vc, p: dense_decode(q, kc, vc, q_positions_BT=p, interpret=False))
+        cate_pl = jax.jit(lambda c, q, p: c.attend(q, p, impl="pallas", interpret=False))
+        tf, tc = _interleaved([full_pl, cate_pl], [(q, dense_k, dense_v, pos), (layer, q, pos)], rounds=rounds)
+        row.update({"full_pallas_ms": 1e3 * tf, "catekv_pallas_ms": 1e3 * tc, "speedup_pallas": tf / tc,
+                    "pallas_full_err": float(jnp.max(jnp.abs(full_pl(q, dense_k, dense_v, pos).astype(jnp.float32)
+                                                           - full_ref(q, dense_k, dense_v, pos).astype(jnp.float32)))),
+                    "pallas_catekv_err": float(jnp.max(jnp.abs(cate_pl(layer, q, pos).astype(jnp.float32)
+                                                             - cate_ref(layer, q, pos).astype(jnp.float32))))})
+    return row
+
+
+def prefill_bench(T: int, *, H=16, K=4, D=128, dtype=jnp.float32, on_gpu=False):
+    from pallasite.ops.attention.flash import flash_attention
+
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(ks[0], (1, T, H, D), dtype)
+    k = jax.random.normal(ks[1], (1, T, K, D), dtype)
+    v = jax.random.normal(ks[2], (1, T, K, D), dtype)
+    ref = jax.jit(lambda q, k, v: reference_attention(q, k, v))
+    interpret = not on_gpu
+    fl = jax.jit(lambda q, k, v: flash_attention(q, k, v, interpret=interpret, block_q=64, block_k=64))
+    err = float(jnp.max(jnp.abs(fl(q, k, v).astype(jnp.float32) - ref(q, k, v).astype(jnp.float32))))
+    if on_gpu:
+        t_ref, t_fl = _interleaved([ref, fl], [(q, k, v)] * 2)
+    else:  # interpret mode: one timing for the record, not a speed claim
+        t_ref = _time(ref, q, k, v, iters=3, warmup=1)
+        t_fl = _time(fl, q, k, v, iters=1, warmup=0)
+    return {"T": T, "H": H, "K": K, "D": D, "dtype": jnp.dtype(dtype).name, "ref_ms": 1e3 * t_ref,
+            "flash_ms": 1e3 * t_fl, "flash_mode": "triton" if on_gpu else "interpret", "max_abs_err": err}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="few iterations; still reaches 32k context")
+    p.add_argument("--contexts", default="4096,16384,32768")
+    args = p.parse_args(argv)
+    backend = jax.default_backend()
+    on_gpu = backend == "gpu"
+    contexts = [int(c) for c in args.contexts.split(",")]
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    t0 = time.time()
+
+    print(f"backend={backend} devices={jax.devices()}")
+    print("\n== prefill: flash (Pallas) vs reference ==")
+    pre_T = [1024, 4096] if on_gpu else [256]
+    if on_gpu and not args.quick:
+        pre_T.append(8192)
+    prefill = [prefill_bench(T, dtype=dtype, on_gpu=on_gpu) for T in pre_T]
+    print(f"{'T':>6} {'mode':>9} {'ref ms':>9} {'flash ms':>9} {'max err':>9}")
+    for r in prefill:
+        print(f"{r['T']:>6} {r['flash_mode']:>9} {r['ref_ms']:>9.2f} {r['flash_ms']:>9.2f} {r['max_abs_err']:>9.2e}")
+
+    print("\n== decode step attention: full cache vs CateKV (B=2048, 1 layer, K=10, G=2, D=128) ==")
+    rows = []
+    for ctx in contexts:
+        for r in (0.4, 0.3):
+            if args.quick and r == 0.3 and ctx != contexts[-1]:
+                continue
+            rows.append(decode_bench(ctx, r, dtype=dtype, use_pallas=on_gpu, rounds=3 if args.quick else 5))
+    hdr = f"{'N':>6} {'r':>4} {'full ms':>8} {'cate ms':>8} {'speedup':>8} {'mem ratio':>9} {'ideal':>6} {'|diff|':>8}"
+    if on_gpu:
+        hdr += f" {'pl full':>8} {'pl cate':>8} {'pl x':>6}"
+    print(hdr)
+    for r in rows:
+        line = (f"{r['context']:>6} {r['r']:>4} {r['full_ms']:>8.2f} {r['catekv_ms']:>8.2f} {r['speedup']:>8.2f} "
+                f"{r['memory_ratio']:>9.3f} {r['ideal_ratio']:>6.3f} {r['max_abs_diff_vs_full']:>8.3f}")
+        if on_gpu:
+            line += f" {r['full_pallas_ms']:>8.3f} {r['catekv_pallas_ms']:>8.3f} {r['speedup_pallas']:>6.2f}"
+        print(line)
+    main_row = [r for r in rows if r["r"] == 0.4 and r["context"] == max(contexts)][0]
+    r03 = [r for r in rows if r["r"] == 0.3 and r["context"] == max(contexts)][0]
+    result = {
+        "benchmark": "attention", "backend": backend, "context": main_row["context"],
+        "catekv_memory_ratio": round(main_row["memory_ratio"], 4),
+        "catekv_ideal_memory_ratio": round(main_row["ideal_ratio"], 4),
+        "catekv_decode_speedup": round(main_row["speedup"], 3),
+        "catekv_memory_ratio_r0.3": round(r03["memory_ratio"], 4),
+        "catekv_decode_speedup_r0.3": round(r03["speedup"], 3),
+        "decode_rows": rows, "prefill_rows": prefill, "wall_s": round(time.time() - t0, 1),
+    }
+    if on_gpu:
+        result["catekv_decode_speedup_pallas"] = round(main_row["speedup_pallas"], 3)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
