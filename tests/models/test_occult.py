@@ -202,3 +202,18 @@ def test_pruned_layer_with_full_budget_equals_unpruned_and_profiling():
     with pytest.raises(ValueError, match="occult_max_devices=1"):
         MoEConfig(num_experts=8, top_k=3, occult_devices=4, occult_max_devices=1)
     assert prof["inputs"][0].shape == (12, 16) and prof["probs"][1].shape == (12, 8)
+
+
+def test_moe_only_finetune_freezes_everything_else():
+    from pallasite.models import occult_finetune as ft
+
+    cfg = ModelConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, ffn="moe",
+                      moe=MoEConfig(num_experts=4, top_k=2, occult_devices=2, occult_max_devices=1))
+    base = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
+    data = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)
+    gd, params, rest, losses = ft.train(cfg, steps=2, batch=2, seq_len=16, state=base, trainable="moe", data=data)
+    after = occult._flat(nnx.state(nnx.merge(gd, params, rest)))
+    before = occult._flat(base)
+    changed = {"/".join(map(str, p)) for p in before if not np.array_equal(before[p][...], after[p][...])}
+    assert changed and all("ffn" in c for c in changed), changed
+    assert any(c.endswith("router") for c in changed) and any(c.endswith("w_gate") for c in changed)
