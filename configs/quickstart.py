@@ -35,7 +35,7 @@ def get_config(arg=None):
     c.train.log_every = 10
     c.train.eval_every = 100
     c.train.checkpoint_every = 100
-    c.train.sample_prompt = "def "
+    c.train.sample_prompt = "def __init__(self"
     c.train.sample_tokens = 48
     c.mesh.data = 1  # 2 cores: one device; the same config runs on a pod with data=-1
     if arg.cpu or arg.runlocal:
