@@ -208,8 +208,8 @@ def cayley(X):
 
 
 def _svd_factor(n, rng):
-    return ({"xu": np.zeros((n, n), np.float32), "xv": np.zeros((n, n), np.float32), "s": np.ones(n, np.float32)},
-            {"bu": random_orthogonal(n, rng).astype(np.float32), "bv": random_orthogonal(n, rng).astype(np.float32)})
+    return ({"xu": np.zeros((n, n)), "xv": np.zeros((n, n)), "s": np.ones(n)},
+            {"bu": random_orthogonal(n, rng), "bv": random_orthogonal(n, rng)})
 
 
 def _factor_matrices(p, b):
@@ -220,8 +220,11 @@ def _factor_matrices(p, b):
     return M, M_it
 
 
-def init_flatquant_params(cfg: ModelConfig, w: dict, stats: dict, ccfg: CalibConfig, rng: np.random.Generator):
-    """(trainable θ, frozen bases) for one layer; c from the SmoothQuant-style init."""
+def init_flatquant_params(cfg: ModelConfig, w: dict, stats: dict, ccfg: CalibConfig, rng: np.random.Generator,
+                          dtype=jnp.float32):
+    """(trainable θ, frozen bases) for one layer; c from the SmoothQuant-style init. The random
+    orthogonal bases are drawn in float64 and cast to ``dtype`` (float64 keeps them orthogonal to
+    1e-15, which the exact-invariance test needs)."""
     D, F, H, Dh = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.dh
     theta, frozen = {}, {}
     for name, n in (("ln", D), ("ug", D), ("down", F)):
@@ -243,7 +246,8 @@ def init_flatquant_params(cfg: ModelConfig, w: dict, stats: dict, ccfg: CalibCon
     theta["lac"] = {n: np.full((2,), LAC_INIT, np.float32) for n in LINEARS}
     theta["k_clip"] = np.full((2,), LAC_INIT, np.float32)
     theta["v_clip"] = np.full((2,), LAC_INIT, np.float32)
-    return jax.tree.map(jnp.asarray, theta), jax.tree.map(jnp.asarray, frozen)
+    cast = lambda a: jnp.asarray(np.asarray(a, np.float64), dtype)  # noqa: E731
+    return jax.tree.map(cast, theta), jax.tree.map(cast, frozen)
 
 
 def resolve(theta: dict, frozen: dict) -> dict:
