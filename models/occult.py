@@ -194,7 +194,9 @@ def _moe_leaf_paths(flat: dict) -> dict:
     for path in flat:
         if len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_PARAM_NAMES + ("router", "router_bias", "similarity"):
             layers.setdefault(path[:-2], {})[path[-1]] = path
-    return dict(sorted(layers.items(), key=lambda kv: tuple(str(p) for p in kv[0])))
+    # depth order: integer path parts compare as integers (layer 10 after layer 9)
+    return dict(sorted(layers.items(), key=lambda kv: tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p))
+                                                            for p in kv[0])))
 
 
 def _flat(state) -> dict:

@@ -91,3 +91,23 @@ def test_moe_config_errors():
     cfg = hf.config_from_hf({**base, "shared_expert_intermediate_size": 8})
     assert cfg.moe.num_experts == 4 and cfg.moe.shared_expert_d_ff == 8 and cfg.moe.norm_topk_prob is False
     assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+
+
+def test_placement_permuted_checkpoint_keeps_pytorch_logits(tiny, tmp_path):
+    """Occult placement is a params → params permutation: after permuting experts and router
+    rows, the exported checkpoint still gives the original PyTorch logits."""
+    import torch
+    import transformers
+
+    from pallasite.models import occult
+    from pallasite.testing import pt_logits
+
+    _, path, ref = tiny["qwen2_moe"]
+    cfg, state = hf.import_hf(path)
+    placed = occult.apply_placement(state, occult.random_placement(cfg.n_layers, 8, 4, seed=2), num_devices=4)
+    hf.export_hf(cfg, placed, tmp_path)
+    w0 = hf._Reader(path)("model.layers.0.mlp.experts.0.gate_proj.weight")
+    w1 = hf._Reader(str(tmp_path))("model.layers.0.mlp.experts.0.gate_proj.weight")
+    assert not np.array_equal(w0, w1)  # the experts really moved on disk
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    np.testing.assert_allclose(pt_logits(reloaded, IDS), ref, atol=1e-5)
