@@ -123,3 +123,24 @@ def test_lr_schedule():
     np.testing.assert_allclose(float(s(60)), 0.1 + 0.9 * 0.5, rtol=1e-6)  # half-way down the cosine
     np.testing.assert_allclose(float(s(110)), 0.1, rtol=1e-6)
     np.testing.assert_allclose(float(s(500)), 0.1, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_moe_aux_losses_and_expert_parallel_step():
+    """An MoE model trains through the same step: aux losses reach the metrics, and a data×expert
+    mesh (shard_map dispatch, found through jax.set_mesh) gives the single-device losses."""
+    global CFG
+    from pallasite.models.moe import MoEConfig
+
+    saved = CFG
+    CFG = saved.replace(ffn="moe", moe=MoEConfig(num_experts=4, top_k=2, d_expert=32))
+    try:
+        one_m, one_p = _run({"data": 1}, _batches(2))
+        ep_m, ep_p = _run({"data": 2, "expert": 4}, _batches(2))
+    finally:
+        CFG = saved
+    for a, b in zip(one_m, ep_m):
+        assert a["aux/moe_lb_loss"] > 0 and a["aux/moe_z_loss"] > 0
+        np.testing.assert_allclose(a["total_loss"], a["loss"] + a["aux/moe_lb_loss"] + a["aux/moe_z_loss"], rtol=1e-6)
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    assert _max_param_diff(one_p, ep_p) < 1e-5
