@@ -45,6 +45,7 @@ Communication accounting lives in ``models/occult_accounting.py``; pruned fine-t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Iterable, Optional, Sequence
 
@@ -274,7 +275,6 @@ def profile_routing(graphdef, state, batches: Iterable) -> dict:
     the Transformer runs each block on a merged copy, so values sown inside would be lost;
     the block code itself is the model's. List layout only (``scan_layers=False``)."""
     from pallasite.models.moe import MoE
-    from pallasite.models.rope import inv_frequencies, rope_cos_sin
 
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -283,25 +283,9 @@ def profile_routing(graphdef, state, batches: Iterable) -> dict:
     if not any(isinstance(b.ffn, MoE) for b in model.layers):
         raise ValueError("profile_routing: the model has no MoE layers")
 
-    @jax.jit
-    def run(st, tokens_BT):
-        mdl = nnx.merge(graphdef, st)
-        B, T = tokens_BT.shape
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        rope = rope_cos_sin(pos, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
-        x = emb = mdl.embed(tokens_BT)
-        recs = []
-        for block in mdl.layers:
-            h, _ = block.attn(block.input_norm(x), pos, rope)
-            x = x + h
-            u = block.post_attn_norm(x)
-            if isinstance(block.ffn, MoE):
-                _, probs, _, e_BTK, _ = block.ffn.routing(u.astype(block.ffn.dtype))
-                recs.append((e_BTK.reshape(B * T, -1), probs, u.reshape(B * T, -1)))
-            y, _ = block.ffn(u, token_ids_BT=tokens_BT, embed_BTD=emb)
-            x = x + y
-        return recs
-
+    run = _PROFILE_FNS.get(graphdef)
+    if run is None:
+        run = _PROFILE_FNS[graphdef] = jax.jit(functools.partial(_profile_forward, graphdef, cfg))
     out = {"experts": [], "probs": [], "inputs": []}
     for tokens in batches:
         for i, (e, p, u) in enumerate(run(state, jnp.asarray(tokens))):
@@ -310,6 +294,32 @@ def profile_routing(graphdef, state, batches: Iterable) -> dict:
                     out[key].append([])
                 out[key][i].append(np.asarray(val))
     return {k: [np.concatenate(x) for x in v] for k, v in out.items()}
+
+
+_PROFILE_FNS: dict = {}  # graphdef → jitted profiling forward (graphdefs are hashable)
+
+
+def _profile_forward(graphdef, cfg, st, tokens_BT):
+    """Embed, then per block: attention, norm, routing record, FFN (the Transformer's order)."""
+    from pallasite.models.moe import MoE
+    from pallasite.models.rope import inv_frequencies, rope_cos_sin
+
+    mdl = nnx.merge(graphdef, st)
+    B, T = tokens_BT.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    rope = rope_cos_sin(pos, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
+    x = emb = mdl.embed(tokens_BT)
+    recs = []
+    for block in mdl.layers:
+        h, _ = block.attn(block.input_norm(x), pos, rope)
+        x = x + h
+        u = block.post_attn_norm(x)
+        if isinstance(block.ffn, MoE):
+            _, probs, _, e_BTK, _ = block.ffn.routing(u.astype(block.ffn.dtype))
+            recs.append((e_BTK.reshape(B * T, -1), probs, u.reshape(B * T, -1)))
+        y, _ = block.ffn(u, token_ids_BT=tokens_BT, embed_BTD=emb)
+        x = x + y
+    return recs
 
 
 def coactivation(experts_NK: np.ndarray, num_experts: int) -> np.ndarray:
