@@ -65,9 +65,12 @@ def main() -> int:
         flash_attention(q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37, interpret=interpret),
         ref(q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37)), 2e-5)
     w = rnd(q.shape, jnp.float32, 7)
-    g_fl = jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, interpret=interpret) * w), (0, 1, 2))
-    g_rf = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), (0, 1, 2))
-    check("flash grads", lambda: max(float(maxdiff(a, b)) for a, b in zip(g_fl(q, k, v), g_rf(q, k, v))), 1e-4)
+    g_rf = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), (0, 1, 2)))
+    for bwd in ("pallas", "reference"):
+        g_fl = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, interpret=interpret, backward=bwd) * w),
+                                (0, 1, 2)))
+        check(f"flash grads backward={bwd}", lambda: max(float(maxdiff(a, b)) for a, b in zip(g_fl(q, k, v), g_rf(q, k, v))),
+              1e-4)
 
     S = 4096 if not on_cpu else 256
     for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)):

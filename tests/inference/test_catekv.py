@@ -169,7 +169,7 @@ def test_kept_indices_short_prompt_keeps_everything():
 
 
 def _planted(n_consistent=4, n_adaptive=4, N=200, D=32, seed=0):
-    """One layer, G = 1: consistent heads' last queries (and the future query) all hit the same 6
+    """One layer, G = 1: consistent heads' last queries (and the future query) all hit the same 3
     chunks; each adaptive head's queries hit their own random chunks, the future query a new one."""
     rng = np.random.default_rng(seed)
     K, Q, C = n_consistent + n_adaptive, SMALL.last_q, SMALL.chunk_size
@@ -183,7 +183,7 @@ def _planted(n_consistent=4, n_adaptive=4, N=200, D=32, seed=0):
         if kinds[h]:
             u = rng.normal(size=D)
             u /= np.linalg.norm(u)
-            for c in rng.choice(n_mid, 6, replace=False):
+            for c in rng.choice(n_mid, 3, replace=False):  # fewer than the 4 chunks the budget keeps
                 k[SMALL.init_tokens + c * C + rng.integers(C), h] += 8 * u
             q[N - Q:, h] += 8 * u
             q_new[h] += 8 * u
@@ -229,7 +229,7 @@ def test_cv_separates_planted_heads_and_mask_beats_random_and_inverted():
     rng = np.random.default_rng(1)
     e_cate, e_inv = err(mask), err(~mask)
     e_rand = np.mean([err(rng.permutation(mask)) for _ in range(3)])
-    assert e_cate < 0.5 * e_rand and e_cate < 0.5 * e_inv, (e_cate, e_rand, e_inv)
+    assert e_cate < 0.1 * e_rand and e_cate < 0.1 * e_inv, (e_cate, e_rand, e_inv)  # observed 2e-4 vs 0.2 / 0.4
 
 
 def test_calibration_counts_exact_and_per_layer():

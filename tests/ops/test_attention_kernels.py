@@ -77,17 +77,24 @@ def test_flash_bf16_tolerance():
     assert err < BF16_TOL, err
 
 
-def test_flash_gradients_equal_reference():
-    q, k, v = _qkv(1, 20, 20, 4, 2, 16, seed=6)
+@pytest.mark.parametrize("backward", ["pallas", "reference"])
+def test_flash_gradients_equal_reference(backward):
+    B, T, H, K, D = 2, 40, 8, 2, 24  # odd length and head dim, GQA 4, padding + segments + window
+    q, k, v = _qkv(B, T, T, H, K, D, seed=6)
+    valid = jnp.arange(T)[None] < jnp.array([40, 23])[:, None]
+    seg = jnp.where(jnp.arange(T)[None] < 15, 1, 2) * valid
+    kw = dict(q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=21)
     w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
 
-    g_flash = jax.grad(loss(lambda q, k, v: flash_attention(q, k, v, block_q=16, block_k=16)), argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    flash = lambda q, k, v: flash_attention(q, k, v, block_q=16, block_k=16, backward=backward, **kw)
+    g_flash = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, **kw)), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(g_flash, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert float(jnp.max(jnp.abs(g_flash[1]))) > 0.1  # non-trivial gradients
 
 
 def test_attention_dispatch_pallas_and_bad_impl():
