@@ -147,3 +147,32 @@ def kv4_decode_attention(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_p
         return _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
                                   sliding_window=sliding_window, block_s=block_s, interpret=interpret)
     raise ValueError(f"kv4_decode_attention impl={impl!r}; expected 'ref' or 'pallas'")
+
+
+# ---------------------------------------------------------------------- shared decode interface
+def _kv4_load(refs, sl):
+    """``KVSource.load`` for 4-bit codes: unpack nibbles, interleave even/odd channels, rescale."""
+    kq, ks, kz, vq, vs, vz = refs
+
+    def one(q_ref, s_ref, z_ref):
+        p = q_ref[sl, :].astype(jnp.int32) & 0xFF
+        s = s_ref[sl].astype(jnp.float32)[:, None]
+        z = z_ref[sl].astype(jnp.float32)[:, None]
+        lo = ((p & 0xF).astype(jnp.float32) - z) * s
+        hi = (((p >> 4) & 0xF).astype(jnp.float32) - z) * s
+        return jnp.stack([lo, hi], axis=-1).reshape(lo.shape[0], 2 * lo.shape[1])
+
+    return one(kq, ks, kz), one(vq, vs, vz)
+
+
+def kv4_source(k_q, k_scale, k_zero, v_q, v_scale, v_zero):
+    """The 4-bit cache (head-major, this module's layout) as a ``ops.attention.decode.KVSource``
+    (slot-major ``[B, S, K, ...]``), so the attention issue's split-K decode kernel can read it.
+    One quantization group per head (``G = 1``)."""
+    from pallasite.ops.attention.decode import KVSource
+
+    if k_scale.shape[-1] != 1:
+        raise NotImplementedError(f"kv4_source: one quantization group per head expected, got {k_scale.shape[-1]}")
+    sm = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [B, K, S, ...] -> [B, S, K, ...]
+    arrays = (sm(k_q), sm(k_scale[..., 0]), sm(k_zero[..., 0]), sm(v_q), sm(v_scale[..., 0]), sm(v_zero[..., 0]))
+    return KVSource(arrays=arrays, load=_kv4_load, head_dim=2 * k_q.shape[-1])

@@ -182,3 +182,21 @@ def test_gptq_beats_rtn_on_correlated_inputs():
     err = lambda q, s: float(np.mean((x @ (np.asarray(q, np.float64) * np.asarray(s)) - x @ w) ** 2))  # noqa: E731
     assert err(qg, sg) < 0.7 * err(qr, sr)
     assert qg.min() >= -8 and qg.max() <= 7
+
+
+def test_kv4_cache_plugs_into_shared_decode_kernel():
+    """The 4-bit cache as a KVSource of ops/attention/decode.py == this module's kernel."""
+    decode = pytest.importorskip("pallasite.ops.attention.decode")
+    from pallasite.ops.quant.kv4_attention import kv4_source
+
+    rng = np.random.default_rng(12)
+    B, H, K, S, Dh = 2, 6, 2, 40, 32
+    cache = _random_kv4_cache(rng, B, K, S, Dh)
+    q = jnp.asarray(rng.standard_normal((B, 1, H, Dh)), jnp.float32)
+    pos = jnp.array([[5], [39]], jnp.int32)
+    ours = kv4_decode_attention(q, *cache, pos, impl="ref")
+    src = kv4_source(*cache)
+    q_bkgd = q.reshape(B, K, H // K, Dh)
+    for fn in (decode.decode_attention_reference, decode.decode_attention):
+        out = fn(q_bkgd, src, pos[:, 0] + 1, block_k=16, k_splits=2)
+        np.testing.assert_allclose(np.asarray(out).reshape(B, 1, H, Dh), np.asarray(ours), atol=2e-6)
