@@ -142,3 +142,14 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
     _, abstract, _ = st.abstract_train_state(cfg, opt, shd.make_mesh({"data": 1}), shd.DEFAULT_RULES)
     state, _, _ = ckpt.restore(6, abstract)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def test_resume_with_changed_config_fails_naming_the_section(reference_run, tmp_path):
+    import shutil
+
+    ref_dir, _ = reference_run
+    workdir = tmp_path / "copy"
+    shutil.copytree(ref_dir / "checkpoints", workdir / "checkpoints")
+    shutil.copytree(ref_dir / "tokenizer", workdir / "tokenizer")
+    with pytest.raises(ValueError, match=r"config\.seed"):
+        train(_config("--config.seed=1", "--config.train.steps=13"), str(workdir))
