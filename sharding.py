@@ -115,9 +115,14 @@ def logical_to_spec(logical_axes: Sequence[Optional[str]], shape: Sequence[int],
     return P(*spec)
 
 
+def _value(var: nnx.Variable):
+    # get_value() also works for abstract state (ShapeDtypeStruct leaves), which var[...] does not.
+    return var.get_value()
+
+
 def _variable_axes(var: nnx.Variable) -> tuple:
     axes = tuple(var.get_metadata().get("logical_axes", ()))
-    ndim = np.ndim(var[...]) if not hasattr(var[...], "ndim") else var[...].ndim
+    ndim = len(np.shape(_value(var)))
     if len(axes) < ndim:  # stacked (scanned) layers, or metadata missing: leading dims replicated
         axes = ("layers",) * (ndim - len(axes)) + axes
     return axes[:ndim]
@@ -128,7 +133,7 @@ def state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
 
     def one(x):
         if isinstance(x, nnx.Variable):
-            value = x[...]
+            value = _value(x)
             return NamedSharding(mesh, logical_to_spec(_variable_axes(x), value.shape, mesh, rules))
         return NamedSharding(mesh, P())
 
@@ -160,7 +165,7 @@ def explain(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> list[str]:
     """Human-readable lines 'path shape -> spec' (for logs and debugging)."""
     lines = []
     for path, var in nnx.to_flat_state(state):
-        value = var[...]
+        value = _value(var)
         spec = logical_to_spec(_variable_axes(var), value.shape, mesh, rules)
         lines.append(f"{'/'.join(map(str, path))} {tuple(value.shape)} {_variable_axes(var)} -> {spec}")
     return lines

@@ -44,3 +44,14 @@ def test_sharded_forward_equals_single_device():
     t = jax.device_put(tokens, sharding.batch_sharding(mesh))
     got = jax.jit(lambda s, t: forward(g, s, t)[0])(s_sharded, t)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_shardings_of_abstract_state_match_concrete():
+    from pallasite.models import abstract_model
+
+    cfg = ModelConfig(scan_layers=True)
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2})
+    _, abstract = nnx.split(abstract_model(cfg))
+    _, concrete = nnx.split(init_model(cfg))
+    specs = lambda s: [x.spec for x in jax.tree.leaves(sharding.state_shardings(s, mesh))]  # noqa: E731
+    assert specs(abstract) == specs(concrete)
