@@ -146,3 +146,99 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
     cfg_q, pure_q = build_quantized_state(cfg, pure, folded, qcfg)
     graphdef, state = state_from_pure(cfg_q, pure_q)
     return QuantizedModel(cfg_q, graphdef, state, kv_transforms(cfg, resolved), resolved, history)
+
+
+# ====================================================================== save / load / CLI
+def save_quantized(qm: QuantizedModel, out_dir: str) -> None:
+    """``config.json`` (ModelConfig incl. the quant sub-config) + ``params.npz`` (deployed state,
+    packed int4 kernels as uint8) + ``kv.npz`` (K-cache transforms and K/V clip logits)."""
+    import json
+    import os
+
+    from flax import nnx
+
+    os.makedirs(out_dir, exist_ok=True)
+    flat = {}
+    for path, var in nnx.to_flat_state(qm.state):
+        flat["/".join(str(k) for k in path)] = np.asarray(var.get_value() if hasattr(var, "get_value") else var.value)
+    np.savez(os.path.join(out_dir, "params.npz"), **flat)
+    np.savez(os.path.join(out_dir, "kv.npz"), **{k: np.asarray(v) for k, v in qm.kv.items()})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(qm.cfg.to_dict(), f, indent=1)
+
+
+def load_quantized(out_dir: str) -> QuantizedModel:
+    import json
+    import os
+
+    from flax import nnx
+
+    from pallasite.models.transformer import abstract_model
+
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg_q = ModelConfig.from_dict(json.load(f))
+    graphdef, abstract = nnx.split(abstract_model(cfg_q))
+    params = np.load(os.path.join(out_dir, "params.npz"))
+    flat = []
+    for path, var in nnx.to_flat_state(abstract):
+        name = "/".join(str(k) for k in path)
+        if name not in params:
+            raise ValueError(f"load_quantized: {out_dir}/params.npz lacks {name!r}")
+        value = params[name]
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"load_quantized: {name!r} has shape {value.shape}, expected {tuple(var.shape)}")
+        flat.append((path, var.replace(jnp.asarray(value))))
+    kv = {k: jnp.asarray(v) for k, v in np.load(os.path.join(out_dir, "kv.npz")).items()}
+    return QuantizedModel(cfg_q, graphdef, nnx.from_flat_state(flat), kv, resolved=[])
+
+
+def main(argv=None):
+    """Quantize SmolLM2-135M (GGUF) with a configs/quant file, save it, report perplexity and a sample."""
+    import argparse
+    import json
+    import time
+
+    from pallasite.benchmarks.quant_ppl import load_texts, token_streams
+    from pallasite.configs import load_config
+    from pallasite.eval.perplexity import perplexity
+    from pallasite.inference.engine import generate_ids
+    from pallasite.models import gguf
+    from pallasite.models.transformer import forward
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", default="configs/quant/flatquant.py:quick")
+    ap.add_argument("--out", default="")
+    args, rest = ap.parse_known_args(argv)
+    path, _, arg = args.config.partition(":")
+    c = load_config(path, arg or None, [r for r in rest if r.startswith("--config.")])
+    t0 = time.time()
+    cfg, state, tok = gguf.import_gguf(c.gguf or gguf.smollm2_gguf_path())
+    pure = state.to_pure_dict()
+    calib_stream, eval_stream = token_streams(tok, load_texts(c.text or None),
+                                              max(c.calib.nsamples * c.calib.seq_len, 2_000_000))
+    rng = np.random.default_rng(c.calib.seed)
+    starts = rng.integers(0, len(calib_stream) - c.calib.seq_len - 1, c.calib.nsamples)
+    calib = np.stack([calib_stream[s:s + c.calib.seq_len] for s in starts])
+    ccfg = CalibConfig(**{k: c.calib[k] for k in ("nsamples", "seq_len", "batch", "epochs", "lr", "clip_lr_mult",
+                                                   "weight_decay", "diag_alpha", "seed")})
+    qm = quantize_model(cfg, pure, c.method, calib_tokens=calib, ccfg=ccfg, w_bits=c.w_bits, a_bits=c.a_bits,
+                        kv_bits=c.kv_bits, impl=c.impl)
+    if args.out:
+        save_quantized(qm, args.out)
+        qm = load_quantized(args.out)
+
+    @jax.jit
+    def logits_fn(ids):
+        return forward(qm.graphdef, qm.state, ids, cache=qm.init_cache(ids.shape[0], ids.shape[1]))[0]
+
+    r = perplexity(logits_fn, eval_stream, c.eval.seq_len, max_windows=c.eval.windows or None, batch_size=4)
+    prompt = tok(c.generate.prompt, add_special_tokens=False)["input_ids"]
+    new = generate_ids(qm.graphdef, qm.state, qm.cfg, [prompt], max_new_tokens=c.generate.max_new_tokens,
+                       cache_factory=lambda _cfg, b, s: qm.init_cache(b, s))[0]
+    print(c.generate.prompt + tok.decode(new))
+    print(json.dumps({"method": c.method, "ppl": r["ppl"], "eval_tokens": r["tokens"], "saved": args.out or None,
+                      "seconds": round(time.time() - t0, 1)}))
+
+
+if __name__ == "__main__":
+    main()

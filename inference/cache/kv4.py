@@ -125,10 +125,11 @@ def init_kv4_cache(cfg, batch_size: int, max_len: int, transforms: Optional[dict
         if name not in t or tuple(t[name].shape) != shape:
             got = None if name not in t else tuple(t[name].shape)
             raise ValueError(f"init_kv4_cache: transforms[{name!r}] must have shape {shape}, got {got}")
-    codes = jnp.zeros((L, batch_size, K, max_len, Dh // 2), jnp.uint8)
-    scales = jnp.ones((L, batch_size, K, max_len, G), jnp.float32)
-    zeros = jnp.zeros((L, batch_size, K, max_len, G), jnp.uint8)
-    return KV4Cache(k_q=codes, k_scale=scales, k_zero=zeros, v_q=codes, v_scale=scales, v_zero=zeros,
-                    k_trans=jnp.asarray(t["k_trans"], jnp.float32), q_trans=jnp.asarray(t["q_trans"], jnp.float32),
-                    k_clip=jnp.asarray(t["k_clip"], jnp.float32), v_clip=jnp.asarray(t["v_clip"], jnp.float32),
-                    group=group, bits=bits)
+    # distinct buffers for every leaf: decode loops donate the cache, and a buffer may be donated once
+    codes = lambda: jnp.zeros((L, batch_size, K, max_len, Dh // 2), jnp.uint8)  # noqa: E731
+    scales = lambda: jnp.ones((L, batch_size, K, max_len, G), jnp.float32)  # noqa: E731
+    zeros = lambda: jnp.zeros((L, batch_size, K, max_len, G), jnp.uint8)  # noqa: E731
+    own = lambda a: jnp.array(a, jnp.float32, copy=True)  # noqa: E731
+    return KV4Cache(k_q=codes(), k_scale=scales(), k_zero=zeros(), v_q=codes(), v_scale=scales(), v_zero=zeros(),
+                    k_trans=own(t["k_trans"]), q_trans=own(t["q_trans"]), k_clip=own(t["k_clip"]),
+                    v_clip=own(t["v_clip"]), group=group, bits=bits)

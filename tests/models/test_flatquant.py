@@ -189,3 +189,21 @@ def test_bad_inputs_fail_clearly(tiny):
     bad["layers"][0]["ffn"]["up_proj"]["kernel"] = k
     with pytest.raises(FloatingPointError, match="layer 0, epoch 0"):
         fq.calibrate(cfg, bad, calib, CALIB, log=lambda s: None)
+
+
+@pytest.mark.slow  # the generation engine's compile dominates (~30 s idle, minutes on a loaded machine)
+def test_save_load_roundtrip_and_generation(tiny, tmp_path):
+    from pallasite.inference.engine import generate_ids
+    from pallasite.training.quant_baselines import load_quantized, save_quantized
+
+    _, _, pure, tokens = tiny
+    qm = quantize_model(CFG, pure, "hadamard")
+    save_quantized(qm, str(tmp_path))
+    qm2 = load_quantized(str(tmp_path))
+    assert qm2.cfg == qm.cfg
+    a = forward(qm.graphdef, qm.state, jnp.asarray(tokens), cache=qm.init_cache(*tokens.shape))[0]
+    b = forward(qm2.graphdef, qm2.state, jnp.asarray(tokens), cache=qm2.init_cache(*tokens.shape))[0]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out = generate_ids(qm2.graphdef, qm2.state, qm2.cfg, [[1, 2, 3]], max_new_tokens=4,
+                       cache_factory=lambda _c, bsz, n: qm2.init_cache(bsz, n))
+    assert len(out[0]) == 4
