@@ -12,7 +12,9 @@ tokens (EOS disabled), at batch 1 and 8, in float32 and bfloat16 (weights, activ
 KV cache; the bf16 weights are the fp32 ones rounded, on both sides).
 
 tokens/s = B x new tokens / wall time of one whole ``generate`` call (prefill included, host
-results included), best of ``--reps`` after a warm-up call (which compiles / warms caches).
+results included), best of ``--reps`` calls after a warm-up call (which compiles / warms
+caches); the systems are timed in turn (A B A B ...) so that load changes on a shared machine
+hit both alike.
 PyTorch uses ``generate(do_sample=False, use_cache=True)`` with its default dynamic cache and,
 with ``--torch-static`` (default on CUDA in the full run), also ``cache_implementation="static"``
 (which transformers auto-compiles with ``torch.compile`` on CUDA); the better of the two is
@@ -21,7 +23,8 @@ the baseline.
 Bandwidth share (batch 1): weight bytes read per decode step (every parameter once: the tied
 embedding is read whole as the LM head) x steps/s / measured read bandwidth, where the
 bandwidth is the best of a large-array sum in jax and in torch in this same process
-(``--bw-bytes``, default 1 GiB on CPU, 4 GiB on GPU). The KV cache and activations are not
+(``--bw-bytes``, default 1 GiB on CPU, 4 GiB on GPU), measured at the start and again right
+after each batch-1 run; the highest figure seen is used for every share. The KV cache and activations are not
 counted, so the share is a lower bound of what the hardware is doing.
 """
 
@@ -126,21 +129,17 @@ def _timed(fn) -> float:
 # ----------------------------------------------------------------------------- runners
 
 
-def time_pallasite(cfg, state, prompts, n_new, reps):
+def pallasite_runner(cfg, state, prompts, n_new):
+    """A zero-arg callable running one greedy ``generate_ids`` call, after its warm-up (compile)."""
     graphdef = nnx.split(abstract_model(cfg))[0]
     state = jax.device_put(state)
 
     def run():
-        return generate_ids(graphdef, state, cfg, prompts, max_new_tokens=n_new)
+        out = generate_ids(graphdef, state, cfg, prompts, max_new_tokens=n_new)
+        assert all(len(r) == n_new for r in out)
+        return out
 
-    t_first = _timed(run)  # compile + first run
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - t0)
-    assert all(len(r) == n_new for r in out)
-    return len(prompts) * n_new / min(times), out, t_first
+    return run, _timed(run)
 
 
 def build_torch(cfg, state_fp32, dtype: str, device: str):
@@ -183,29 +182,40 @@ def _pick_torch_threads(model):
     print(f"# torch CPU threads: {best[1]} (one-token forward {best[0] * 1e3:.0f} ms)", flush=True)
 
 
-def time_torch(model, prompts, n_new, reps, device, cache_impl):
+def torch_runner(model, prompts, n_new, device, cache_impl):
+    """A zero-arg callable running one ``model.generate`` call (new tokens as lists), warmed up."""
     import torch
     import transformers
 
     ids = torch.as_tensor(np.asarray(prompts), dtype=torch.long, device=device)
-    gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
-                                            eos_token_id=None, pad_token_id=0, use_cache=True,
-                                            cache_implementation=cache_impl)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def run():
+    def run(n=n_new):
+        gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                                eos_token_id=None, pad_token_id=0, use_cache=True,
+                                                cache_implementation=cache_impl)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
         sync()
-        return out
+        return out[:, ids.shape[1]:].cpu().numpy().tolist()
 
-    t_first = _timed(run)
-    times, out = [], None
+    # Warm-up: eager torch has nothing to compile, so a short call suffices; a static cache is
+    # sized (and torch.compile'd) for the full length, so it warms up at the full length.
+    t_first = _timed(lambda: run(n_new if cache_impl == "static" else 2))
+    return run, t_first
+
+
+def interleaved_best(runners: dict, reps: int):
+    """Time the runners in turn, ``reps`` rounds (A B A B ...), so that load changes on a shared
+    machine hit every system alike; returns {name: (best seconds, last output)}."""
+    best = {k: (float("inf"), None) for k in runners}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - t0)
-    return len(prompts) * n_new / min(times), out[:, ids.shape[1]:].cpu().numpy().tolist(), t_first
+        for k, run in runners.items():
+            t0 = time.perf_counter()
+            out = run()
+            dt = time.perf_counter() - t0
+            best[k] = (min(best[k][0], dt), out)
+    return best
 
 
 # ----------------------------------------------------------------------------- main
@@ -228,7 +238,7 @@ def main(argv=None):
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     n_new = args.new_tokens or (32 if args.quick else 128)
-    reps = args.reps or (1 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 3)
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = args.dtypes.split(",")
     bw_bytes = args.bw_bytes or ((4 << 30) if on_gpu else (1 << 30))
@@ -259,42 +269,60 @@ def main(argv=None):
     results = {"model_source": "gguf" if "GGUF" in source else "random", "backend": backend,
                "device": device_desc, "new_tokens": n_new, "prompt_len": args.prompt_len,
                "bandwidth_GBps": round(bandwidth / 1e9, 2)}
+    prompts_by_batch = {B: rng.integers(1, cfg.vocab_size, size=(B, args.prompt_len)).tolist() for B in batches}
     for dtype in dtypes:
         cfg_d, state_d = cast_state(cfg, state32, dtype)
         wbytes = weight_bytes_per_step(cfg_d, state_d)
         torch_model = build_torch(cfg, state32, dtype, torch_device) if have_torch else None
         for B in batches:
-            prompts = rng.integers(1, cfg.vocab_size, size=(B, args.prompt_len)).tolist()
-            ours_tps, ours_out, ours_first = time_pallasite(cfg_d, state_d, prompts, n_new, reps)
+            prompts = prompts_by_batch[B]
+            runners = {}
+            runners["pallasite"], ours_first = pallasite_runner(cfg_d, state_d, prompts, n_new)
+            if torch_model is not None:
+                for impl in cache_impls:
+                    runners[f"torch_{impl}"], _ = torch_runner(torch_model, prompts, n_new, torch_device,
+                                                               None if impl == "dynamic" else impl)
+            timed = interleaved_best(runners, reps)
+            tokens = B * n_new
+            ours_tps, ours_out = tokens / timed["pallasite"][0], timed["pallasite"][1]
             row = dict(dtype=dtype, batch=B, ours=ours_tps, ours_first_s=ours_first)
             if torch_model is not None:
                 best = None
                 for impl in cache_impls:
-                    tps, out, first = time_torch(torch_model, prompts, n_new, reps, torch_device,
-                                                 None if impl == "dynamic" else impl)
+                    tps = tokens / timed[f"torch_{impl}"][0]
                     row[f"torch_{impl}"] = tps
                     if best is None or tps > best[0]:
-                        best = (tps, out, impl)
+                        best = (tps, timed[f"torch_{impl}"][1], impl)
                 row["torch"], torch_out, row["torch_cache"] = best
                 # same weights, same prompts: greedy tokens should agree (bf16 may drift late)
                 agree = [next((j for j, (a, b) in enumerate(zip(o, t)) if a != b), n_new)
                          for o, t in zip(ours_out, torch_out)]
-                row["agree_prefix"] = min(agree)
+                row["agree_prefix"] = min(agree)  # shortest common greedy prefix over the rows
+                row["agree_mean"] = float(np.mean(agree))
                 row["speedup"] = ours_tps / row["torch"]
             if B == 1:
-                row["bw_share"] = ours_tps * wbytes / bandwidth
-                row["weight_MB"] = wbytes / 1e6
+                # re-measure next to this run (the machine may be shared): use the best seen
+                bw_now = measure_bandwidth(bw_bytes, torch_device if have_torch else None)
+                bandwidth = max(bandwidth, *bw_now.values())
+                row["weight_bytes"] = wbytes
+                row["bw_share"] = ours_tps * wbytes / bandwidth  # provisional; final one below
             rows.append(row)
             print(f"  {dtype:9s} b{B}: pallasite {ours_tps:8.1f} tok/s"
                   + (f" | torch {row['torch']:8.1f} tok/s ({row['torch_cache']}) | x{row['speedup']:.2f}"
-                     f" | greedy agree {row['agree_prefix']}/{n_new}" if "torch" in row else "")
+                     f" | greedy agree min {row['agree_prefix']}/{n_new} mean {row['agree_mean']:.1f}" if "torch" in row else "")
                   + (f" | bw share {row['bw_share']:.0%}" if B == 1 else ""), flush=True)
         del torch_model, state_d
         gc.collect()
 
     # ---------------------------------------------------------------- table + JSON
+    for r in rows:
+        if "weight_bytes" in r:
+            r["bw_share"] = r["ours"] * r["weight_bytes"] / bandwidth
     print()
-    print("| dtype | batch | pallasite tok/s | torch tok/s (cache) | speedup | greedy agree | bandwidth share |")
+    print(f"# bandwidth used for the shares: {bandwidth / 1e9:.1f} GB/s (best measured in this run); "
+          f"weights read per step: " + ", ".join(f"{r['dtype']} {r['weight_bytes'] / 1e6:.0f} MB"
+                                                  for r in rows if "weight_bytes" in r))
+    print("| dtype | batch | pallasite tok/s | torch tok/s (cache) | speedup | greedy agree (min row) | bandwidth share |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         torch_cell = f"{r['torch']:.1f} ({r['torch_cache']})" if "torch" in r else "-"
@@ -318,6 +346,7 @@ def main(argv=None):
     results["speedup_vs_torch_b1"] = pick("speedup", 1)
     results["speedup_vs_torch_b8"] = pick("speedup", 8)
     results["bandwidth_share_b1"] = pick("bw_share", 1)
+    results["bandwidth_GBps"] = round(bandwidth / 1e9, 2)
     results["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(results))
     return results
