@@ -217,3 +217,21 @@ def test_moe_only_finetune_freezes_everything_else():
     changed = {"/".join(map(str, p)) for p in before if not np.array_equal(before[p][...], after[p][...])}
     assert changed and all("ffn" in c for c in changed), changed
     assert any(c.endswith("router") for c in changed) and any(c.endswith("w_gate") for c in changed)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_pruned_gates_follow_the_family_convention(norm_topk_prob):
+    """Mixtral / Qwen3-MoE renormalise after pruning (weights sum to 1); Qwen2-MoE / OLMoE keep
+    the raw softmax probabilities of the kept experts."""
+    from pallasite.models.moe import MoE
+
+    cfg = ModelConfig(d_model=16, d_ff=16, ffn="moe", moe=MoEConfig(
+        num_experts=8, top_k=3, norm_topk_prob=norm_topk_prob, occult_devices=2, occult_max_devices=1))
+    layer = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (2, 5, 16))
+    logits, probs, w, e, _ = layer.routing(x)
+    assert communication_times(np.asarray(e).reshape(-1, 3), 8, 2) == 1.0
+    if norm_topk_prob:
+        np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(w.reshape(-1, 3), jnp.take_along_axis(probs, e.reshape(-1, 3), 1), rtol=1e-6)
