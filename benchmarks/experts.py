@@ -224,9 +224,7 @@ def main(argv=None):
     disk_lut = ML.open_lut(lut_path, mole_train)
     mole_models = {}
     for name, store in (("mole_host", host_lut), ("mole_disk", disk_lut)):
-        lm = ML.to_lut_model(mole_train)
-        MD.attach_lut_store(lm, store)
-        mole_models[name] = (lm, store)
+        mole_models[name] = (MD.serve_with_store(ML.to_lut_model(mole_train), store), store)
     del mole_train
 
     timers = {}

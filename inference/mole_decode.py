@@ -5,15 +5,15 @@ experts are lookups; the rows ``LUT[ids]`` of the tokens being processed are fet
 the LUT lives (host RAM or disk) and moved to the device — ``L·N·d`` values per token — while
 the device holds only the dense model plus the routers.
 
-* ``set_lut_rows(model, rows_BTLND)`` writes one step's rows into the ``LUTRows`` variables of a
-  LUT-mode model (list or scan layout).
+* ``with_lut_rows(model, rows_BTLND)`` returns the LUT-mode model with one step's rows in its
+  ``LUTRows`` variables (list or scan layout; functional, valid inside any trace).
 * ``lut_forward(graphdef, state, rows_BTLND, tokens_BT, ...)`` is the pure forward of a LUT-mode
   model: ``core forward`` with the rows injected — same signature plus the rows; jit it.
-* ``attach_lut_store(lut_model, store)`` makes the model fetch its rows itself through a host
-  callback, so the project's one generation engine (``inference/engine.py``: jitted prefill,
-  ``while_loop`` decode) runs LUT models unchanged — there is no MoLE-specific decode loop.
-  Per step the callback receives the ids, the store gathers exactly those rows (from RAM or
-  the memory-mapped file) and hands them to the device.
+* ``serve_with_store(lut_model, store)`` wraps a LUT-mode model so that it fetches its rows
+  itself through ONE host callback per forward; the project's one generation engine
+  (``inference/engine.py``: jitted prefill, ``while_loop`` decode) runs it unchanged — there is
+  no MoLE-specific decode loop. Per step the callback receives the ids, the store gathers
+  exactly those rows (from RAM or the memory-mapped file) and hands them to the device.
 """
 
 from __future__ import annotations
@@ -23,50 +23,75 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallasite.models.mole import mole_config_of
+from pallasite.models.mole import LUTRows, mole_config_of
 
 
-def set_lut_rows(model, rows_BTLND: jax.Array) -> None:
-    """Write ``rows [B, T, L, N, d]`` into the model's per-layer ``lut_rows`` (in place on a
-    merged module; call inside the jitted function that merged it)."""
+def with_lut_rows(model, rows_BTLND: jax.Array):
+    """A copy of the LUT-mode ``model`` whose per-layer ``lut_rows`` hold ``rows [B, T, L, N, d]``
+    (functional: split → replace the ``LUTRows`` leaves → merge; nothing is mutated, so it is
+    valid inside any trace, e.g. the engine's ``while_loop`` body)."""
     cfg = model.cfg
     m = mole_config_of(cfg)
     if m.mode != "lut":
-        raise ValueError("set_lut_rows: the model is not in LUT mode (mole.mode='lut'); use models.mole_lut.to_lut_model")
+        raise ValueError("with_lut_rows: the model is not in LUT mode (mole.mode='lut'); use models.mole_lut.to_lut_model")
     want = (cfg.n_layers, m.n_experts, cfg.d_model)
     if rows_BTLND.ndim != 5 or tuple(rows_BTLND.shape[2:]) != want:
-        raise ValueError(f"set_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
-    if cfg.scan_layers:
-        model.layers.ffn.lut_rows.set_value(jnp.moveaxis(rows_BTLND, 2, 0))
-    else:
-        for i, block in enumerate(model.layers):
-            block.ffn.lut_rows.set_value(rows_BTLND[:, :, i])
+        raise ValueError(f"with_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
+    graphdef, rows_state, rest = nnx.split(model, LUTRows, ...)
+    new = []
+    for path, var in nnx.to_flat_state(rows_state):
+        if cfg.scan_layers:  # ('layers', 'ffn', 'lut_rows'): stacked over the layer axis
+            value = jnp.moveaxis(rows_BTLND, 2, 0)
+        else:  # ('layers', i, 'ffn', 'lut_rows')
+            value = rows_BTLND[:, :, int(path[1])]
+        new.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(new), rest)
 
 
 def lut_forward(graphdef, state, rows_BTLND, tokens_BT, positions_BT=None, *, cache=None, segment_ids_BT=None):
     """Pure forward of a LUT-mode MoLE model: (float32 logits, cache, aux)."""
-    model = nnx.merge(graphdef, state)
-    set_lut_rows(model, rows_BTLND)
+    model = with_lut_rows(nnx.merge(graphdef, state), rows_BTLND)
     return model(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
 
 
-def attach_lut_store(lut_model, store) -> None:
-    """Let a LUT-mode model fetch its own rows from ``store`` (host RAM or disk): each layer's FFN
-    gets its index and the store, and — when no rows were written with ``set_lut_rows`` — calls
-    back to the host with the current token ids (``jax.pure_callback``). The model then runs in
-    the unchanged generation engine (``inference.engine.generate_ids``) and in ``forward``.
+class LUTServing(nnx.Module):
+    """A LUT-mode MoLE model that fetches its own rows: ``serve_with_store(lut_model, store)``.
 
-    Per forward: one host gather of all layers' rows for the ids (``LUTStore.layer_rows``
-    memoises it across the layers) and L transfers of ``[B, T, N, d]``. The store is checked
-    against the model first (shapes and fingerprint)."""
+    Called like the Transformer (``(tokens, positions, cache=, segment_ids=, return_hidden=)``,
+    with ``cfg``, ``embed`` and ``lm_head`` exposed), so the project's one generation engine
+    (``inference.engine``: jitted prefill, ``while_loop`` decode) and ``models.forward`` run it
+    unchanged. Per forward: ONE ``jax.pure_callback`` hands the token ids to the host, the store
+    gathers exactly those tokens' rows for all layers (from RAM or the memory-mapped file) and
+    returns them (NF-quantized stores return the packed codes + scales, unpacked on the device);
+    then ``with_lut_rows`` and the wrapped model's forward."""
+
+    def __init__(self, lut_model, store):
+        self.inner = lut_model
+        self.store = store  # static attribute (identity-hashed): lives on the host, never on the device
+        self.cfg = lut_model.cfg
+
+    @property
+    def embed(self):
+        return self.inner.embed
+
+    @property
+    def lm_head(self):
+        return self.inner.lm_head
+
+    def fetch_rows(self, tokens_BT: jax.Array) -> jax.Array:
+        store = self.store
+        payload = jax.pure_callback(store.host_fetch, store.payload_shapes(tokens_BT.shape),
+                                    tokens_BT.astype(jnp.int32), vmap_method="sequential")
+        return store.decode(payload)
+
+    def __call__(self, tokens_BT, positions_BT=None, *, cache=None, segment_ids_BT=None, return_hidden=False):
+        model = with_lut_rows(self.inner, self.fetch_rows(tokens_BT))
+        return model(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT, return_hidden=return_hidden)
+
+
+def serve_with_store(lut_model, store) -> LUTServing:
+    """Check ``store`` against the LUT-mode model (shapes and fingerprint) and wrap them."""
+    if mole_config_of(lut_model.cfg).mode != "lut":
+        raise ValueError("serve_with_store: the model is not in LUT mode; use models.mole_lut.to_lut_model first")
     store.check_model(lut_model)
-    cfg = lut_model.cfg
-    if mole_config_of(cfg).mode != "lut":
-        raise ValueError("attach_lut_store: the model is not in LUT mode; use models.mole_lut.to_lut_model first")
-    if cfg.scan_layers:
-        lut_model.layers.ffn.layer_index.set_value(jnp.arange(cfg.n_layers, dtype=jnp.int32))
-        lut_model.layers.ffn.lut_store = store
-    else:
-        for i, block in enumerate(lut_model.layers):
-            block.ffn.layer_index.set_value(jnp.asarray(i, jnp.int32))
-            block.ffn.lut_store = store
+    return LUTServing(lut_model, store)

@@ -117,11 +117,6 @@ class LUTRows(nnx.Variable):
     rows fetched from the host / disk LUT store into it before each forward."""
 
 
-class LayerIndex(nnx.Variable):
-    """This layer's index (int32 scalar; ``[L]`` in the scan layout), set by
-    ``inference.mole_decode.attach_lut_store`` so a LUT-mode FFN can fetch its own rows."""
-
-
 class GeluMLP(nnx.Module):
     """Non-gated two-matrix MLP ``down(act(up(x)))`` (Pythia / the paper's shared expert)."""
 
@@ -179,16 +174,10 @@ class MoLEFFN(nnx.Module):
             self.experts = RoutedExperts(cfg, self.n_experts, m.d_expert or cfg.d_ff, m.activation, rngs=rngs)
         else:
             self.expert_norm = self.experts = None
-        # LUT mode takes this step's rows from one of two places:
-        #  * ``lut_rows`` — written explicitly before the forward (``mole_decode.set_lut_rows``,
-        #    ``lut_forward``): no host callback, any source (device-resident LUT, pre-fetched rows);
-        #  * an attached store (``mole_decode.attach_lut_store``): a ``jax.pure_callback`` hands the
-        #    token ids to the host, which gathers this layer's rows from RAM / the mmap'd file —
-        #    so the unchanged generation engine (``inference/engine.py``) decodes LUT models.
+        # LUT mode reads this step's rows from ``lut_rows``, written before the layers run by
+        # ``mole_decode.with_lut_rows`` (``lut_forward`` / the ``LUTServing`` wrapper, which fetches
+        # all layers' rows of the step's ids with ONE host callback per forward).
         self.lut_rows = LUTRows(jnp.zeros((0,), jnp.float32)) if (self.n_experts and self.mode == "lut") else None
-        lut = bool(self.n_experts and self.mode == "lut")
-        self.layer_index = LayerIndex(jnp.asarray(-1, jnp.int32)) if lut else None
-        self.lut_store = None  # static attribute: the store object (hashable by identity)
 
     def gates(self, u_BTD: jax.Array) -> jax.Array:
         """g = softmax(u · R) over all N experts, in float32: ``[B, T, N]``."""
@@ -211,30 +200,15 @@ class MoLEFFN(nnx.Module):
         else:
             e_BTND = self.lut_rows[...]
             want = (B, T, self.n_experts, self.d_model)
-            if e_BTND.size == 0 and self.lut_store is not None:
-                if token_ids_BT is None:
-                    raise ValueError("MoLE FFN in LUT mode with an attached store needs token_ids_BT")
-                e_BTND = self._fetch_rows(token_ids_BT, want)
             if tuple(e_BTND.shape) != want:
                 raise ValueError(
                     f"MoLE FFN in LUT mode: lut_rows has shape {tuple(e_BTND.shape)}, expected {want} "
                     "([B, T, N, d] for the tokens of this call). Fill it with "
-                    "pallasite.inference.mole_decode.set_lut_rows (or use lut_forward) before the forward."
+                    "pallasite.inference.mole_decode.with_lut_rows, lut_forward or serve_with_store before the forward."
                 )
         g_BTN = self.gates(x_BTD).astype(self.dtype)
         mix = jnp.einsum("btn,btnd->btd", g_BTN, e_BTND.astype(self.dtype))
         return y + mix, {}
-
-
-    def _fetch_rows(self, token_ids_BT, want):
-        store = self.lut_store
-
-        def host_fetch(ids, layer):
-            return store.layer_rows(ids, int(layer))
-
-        out = jax.ShapeDtypeStruct(want, jnp.float16 if store.row_dtype == "float16" else jnp.dtype(store.row_dtype))
-        return jax.pure_callback(host_fetch, out, token_ids_BT.astype(jnp.int32), self.layer_index[...],
-                                 vmap_method="sequential")
 
 
 register_ffn("mole", MoLEFFN)

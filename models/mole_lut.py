@@ -49,7 +49,7 @@ from flax import nnx
 
 from pallasite.models.config import ModelConfig
 from pallasite.models.layers import dtype_of, rms_norm
-from pallasite.models.mole import LayerIndex, LUTRows, experts_forward, mole_config_of
+from pallasite.models.mole import LUTRows, experts_forward, mole_config_of
 
 MAGIC = b"PLSLUT01"
 FORMAT_VERSION = 1
@@ -123,9 +123,6 @@ def to_lut_model(model):
     for path, var in flat:
         if issubclass(var.type, LUTRows):
             new.append((path, var.replace(jnp.zeros((cfg_l.n_layers, 0) if cfg_l.scan_layers else (0,), jnp.float32))))
-            continue
-        if issubclass(var.type, LayerIndex):
-            new.append((path, var.replace(jnp.full((cfg_l.n_layers,) if cfg_l.scan_layers else (), -1, jnp.int32))))
             continue
         if path not in src:
             raise KeyError(f"to_lut_model: parameter {'/'.join(map(str, path))} of the LUT model is missing in the source model")
@@ -272,50 +269,31 @@ class LUTStore:
 
     meta: _Meta
     location = "?"
-    _memo = None
 
     @property
     def stats(self) -> dict:
-        """Counters of the attached-store (callback) path: host gathers, tokens, bytes read
-        from the store, bytes handed to the device."""
+        """Counters of the serving (callback) path: host gathers, tokens, bytes read from the
+        store, bytes handed to the device (equal: packed NF payloads are unpacked on the device)."""
         if not hasattr(self, "_stats"):
             self._stats = {"gathers": 0, "tokens": 0, "bytes_read": 0, "bytes_to_device": 0}
         return self._stats
 
     def reset_stats(self) -> None:
         self._stats = {"gathers": 0, "tokens": 0, "bytes_read": 0, "bytes_to_device": 0}
-        self._memo = None
 
-    @property
-    def row_dtype(self) -> str:
-        return "float16" if self.meta.quant != "none" else self.meta.dtype
-
-    def host_rows(self, ids) -> np.ndarray:
-        """All layers' rows of ``ids`` on the host (dequantized for NF stores): ``[..., L, N, d]``."""
+    def host_fetch(self, ids) -> tuple:
+        """``fetch`` plus counters (the host side of ``LUTServing``'s callback)."""
         payload = self.fetch(ids)
         st = self.stats
         st["gathers"] += 1
         st["tokens"] += int(np.asarray(ids).size)
         st["bytes_read"] += int(sum(p.nbytes for p in payload))
-        if self.meta.quant == "none":
-            return payload[0]
-        return dequantize_rows(payload[0], payload[1], kind=self.meta.quant, block=self.meta.block,
-                               row_shape=self.meta.row_shape, xp=np)
+        st["bytes_to_device"] += int(sum(p.nbytes for p in payload))
+        return payload
 
-    def layer_rows(self, ids, layer: int) -> np.ndarray:
-        """Layer ``layer``'s rows ``[..., N, d]`` of ``ids`` (host callback of a LUT-mode FFN).
-
-        One gather serves all layers of a step: the first layer to ask for a given ``ids`` reads
-        every layer's rows (one contiguous record per token in the [V, L, N, d] layout) and the
-        other layers of the same forward take their slice from that memo."""
-        ids = np.asarray(ids)
-        key = (ids.shape, ids.tobytes())
-        if self._memo is None or self._memo[0] != key or layer in self._memo[2]:
-            self._memo = (key, self.host_rows(ids), set())
-        self._memo[2].add(layer)
-        out = np.ascontiguousarray(self._memo[1][..., layer, :, :])
-        self.stats["bytes_to_device"] += out.nbytes
-        return out
+    def payload_shapes(self, lead: tuple) -> tuple:
+        """ShapeDtypeStructs of ``fetch(ids)`` for ids of shape ``lead``."""
+        return tuple(jax.ShapeDtypeStruct(tuple(lead) + a.shape[1:], jnp.dtype(a.dtype)) for a in self._arrays())
 
     def fetch(self, ids) -> tuple:
         ids = np.asarray(ids)

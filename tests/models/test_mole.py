@@ -98,8 +98,8 @@ def test_scan_layout_lut_equivalence():
     ref, _, _ = forward(g, s, toks)
     lut_model = ML.to_lut_model(model)
     store = ML.HostLUT.from_model(model)
-    MD.attach_lut_store(lut_model, store)  # host-callback path, scan layout
-    gl, sl = nnx.split(lut_model)
+    served = MD.serve_with_store(lut_model, store)  # host-callback path, scan layout
+    gl, sl = nnx.split(served)
     out, _, _ = jax.jit(forward, static_argnums=0)(gl, sl, toks)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
     assert store.stats["gathers"] == 1 and store.stats["tokens"] == toks.size  # one gather serves all layers
@@ -111,12 +111,12 @@ def test_greedy_generation_identical_through_engine(trained_like):
     cfg, model, lut, _ = trained_like
     lut_model = ML.to_lut_model(model)
     store = ML.HostLUT(lut, fingerprint=ML.lut_fingerprint(model))
-    MD.attach_lut_store(lut_model, store)
+    served = MD.serve_with_store(lut_model, store)
     prompts = [[5, 17, 300, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     g, s = nnx.split(model)
-    gl, sl = nnx.split(lut_model)
+    gl, sl = nnx.split(served)
     ref = generate_ids(g, s, cfg, prompts, max_new_tokens=16)
-    out = generate_ids(gl, sl, lut_model.cfg, prompts, max_new_tokens=16)
+    out = generate_ids(gl, sl, served.cfg, prompts, max_new_tokens=16)
     assert out == ref and len(ref[0]) == 16
     # one host gather per engine step (prefill + 15 decode steps), rows of L·N·d fp32 per token
     assert store.stats["gathers"] == 16
@@ -186,4 +186,6 @@ def test_config_roundtrip_and_errors(trained_like):
     with pytest.raises(ValueError, match=r"lut_rows has shape \(0,\), expected \(1, 4, 4, 64\)"):
         forward(gl, sl, np.zeros((1, 4), np.int32))
     with pytest.raises(ValueError, match="not in LUT mode"):
-        MD.set_lut_rows(init_model(tiny_cfg(), seed=0), jnp.zeros((1, 4, L, N, D)))
+        MD.with_lut_rows(init_model(tiny_cfg(), seed=0), jnp.zeros((1, 4, L, N, D)))
+    with pytest.raises(ValueError, match=r"expected \[B, T, 2, 4, 64\]"):
+        MD.with_lut_rows(lut_model, jnp.zeros((1, 4, L, N + 1, D)))

@@ -33,9 +33,7 @@ def setup(tmp_path_factory):
 
 
 def _logits_with_store(model, store, toks):
-    lut_model = ML.to_lut_model(model)
-    MD.attach_lut_store(lut_model, store)
-    g, s = nnx.split(lut_model)
+    g, s = nnx.split(MD.serve_with_store(ML.to_lut_model(model), store))
     return np.asarray(jax.jit(forward, static_argnums=0)(g, s, toks)[0])
 
 
@@ -82,7 +80,7 @@ def test_bad_lut_files_fail_at_load(setup, tmp_path):
     with pytest.raises(ML.LUTFileError, match="other weights"):
         ML.open_lut(path, init_model(cfg_of(), seed=1))
     with pytest.raises(ML.LUTFileError, match="n_experts: LUT has 4, model has 2"):
-        MD.attach_lut_store(ML.to_lut_model(init_model(cfg_of().replace(mole=MoLEConfig(n_experts=2)), seed=0)),
+        MD.serve_with_store(ML.to_lut_model(init_model(cfg_of().replace(mole=MoLEConfig(n_experts=2)), seed=0)),
                             ML.open_lut(path))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
         host.fetch(np.array([[3, 256]]))
@@ -110,7 +108,7 @@ def test_nf_quantized_lut(setup, kind, block, bits, tmp_path):
     assert ML.storage_ratio(kind, block, row) == pytest.approx(q.bytes_per_token / (row * 2))
     toks = np.arange(V).reshape(4, -1)
     dev = np.asarray(q.rows(toks), np.float32)  # packed codes cross to the device, unpacked there
-    hst = q.host_rows(toks).astype(np.float32)  # host-side unpacking (callback path)
+    hst = ML.dequantize_rows(*q.fetch(toks), kind=kind, block=block, row_shape=(L, N, D), xp=np).astype(np.float32)
     np.testing.assert_array_equal(dev, hst)
     # error bound: half the largest gap between NF levels times each block's absmax (+ fp16)
     levels = ML.nf_levels(bits)
