@@ -116,6 +116,61 @@ def load_trained(workdir: str):
     return cfg, nnx.merge(graphdef, state["params"], state["other"]), tokenizer
 
 
+def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
+    """Held-out loss of a trained MoLE workdir in training mode and in LUT mode: the fp16 LUT and
+    NF-quantized LUTs (block 0 → d for NF4 and max(8, d/4) for NF3: the paper uses 768 = d and 128
+    at d = 768, i.e. one block per expert row for NF4 and finer blocks for NF3). Same eval
+    batches as the training loop. Returns losses and storage ratios per variant."""
+    import jax
+    import jax.numpy as jnp
+    import ml_collections
+    import numpy as np
+    from flax import nnx
+
+    from pallasite.inference.mole_decode import lut_forward
+    from pallasite.models import mole_lut as ML
+    from pallasite.models.transformer import forward
+    from pallasite.training import data as data_lib
+
+    cfg, model, tokenizer = load_trained(workdir)
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    _, eval_docs = data_lib.load_documents(config.data)
+    eos = int(tokenizer.eos_token_id)
+    ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, eval_docs, eos), seq_len=config.data.seq_len,
+                                batch_size=config.data.batch_size, seed=0, shuffle=False)
+    batches = ds.first_batches(config.data.eval_batches)
+
+    def ce(logits, b):
+        lse = jax.nn.logsumexp(logits, -1)
+        picked = jnp.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
+        m = b["loss_mask"].astype(jnp.float32)
+        return float(jnp.sum(m * (lse - picked))), float(jnp.sum(m))
+
+    def mean_loss(fn):
+        tot = n = 0.0
+        for b in batches:
+            c, k = ce(fn(b), b)
+            tot, n = tot + c, n + k
+        return tot / n
+
+    g, s = nnx.split(model)
+    fwd = jax.jit(forward, static_argnums=0)
+    out = {"train_mode": mean_loss(lambda b: fwd(g, s, b["tokens"], b["positions"], segment_ids_BT=b["segment_ids"])[0])}
+    lut = ML.build_lut(model, dtype="float16")
+    gl, sl = nnx.split(ML.to_lut_model(model))
+    lfwd = jax.jit(lut_forward, static_argnums=0)
+    stores = {"lut_fp16": ML.HostLUT(lut)}
+    for kind, block in quants:
+        block = block or (cfg.d_model if kind == "nf4" else max(8, cfg.d_model // 4))
+        stores[f"lut_{kind}_b{block}"] = ML.HostLUT(lut, quant=kind, block=block)
+    for name, store in stores.items():
+        out[name] = mean_loss(lambda b: lfwd(gl, sl, store.rows(b["tokens"]), b["tokens"], b["positions"],
+                                             segment_ids_BT=b["segment_ids"])[0])
+        out[name + "_storage_vs_fp16"] = store.nbytes / stores["lut_fp16"].nbytes
+    return out
+
+
 def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0) -> dict:
     """Train every variant in ``out/<kind>`` (resumes finished ones) and return their summaries."""
     from pallasite.configs import load_config
