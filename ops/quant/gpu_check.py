@@ -19,6 +19,41 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def check_deployed_model():
+    """A tiny Llama quantized with Hadamard+RTN: deployed logits with the Pallas kernels (fused
+    transform+quantize, int GEMM, KV4 decode for the last token) vs the jnp reference path."""
+    import dataclasses
+
+    from flax import nnx
+
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.transformer import abstract_model, forward, init_model
+    from pallasite.training.quant_baselines import quantize_model
+
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+    _, state = nnx.split(init_model(cfg, seed=0))
+    qm = quantize_model(cfg, state.to_pure_dict(), "hadamard")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 9)))
+    out = {}
+    for impl in ("ref", "pallas"):
+        cfg_i = qm.cfg.replace(quant=dataclasses.replace(qm.cfg.quant, impl=impl), attention_impl="ref")
+        st = qm.state  # same parameters; the graphdef (which carries the config) is rebuilt per impl
+        gd_i, abs_i = nnx.split(abstract_model(cfg_i))
+        nnx.replace_by_pure_dict(abs_i, st.to_pure_dict())
+        cache = qm.init_cache(2, 10)
+        prefill, cache, _ = forward(gd_i, abs_i, tokens[:, :8], cache=cache)
+        pos = jnp.full((2, 1), 8, jnp.int32)
+        # the KV4 cache picks its decode kernel from the model's attention impl
+        gd_d, abs_d = nnx.split(abstract_model(cfg_i.replace(attention_impl=impl)))
+        nnx.replace_by_pure_dict(abs_d, st.to_pure_dict())
+        step, _, _ = forward(gd_d, abs_d, tokens[:, 8:9], pos, cache=cache)
+        out[impl] = (prefill, step)
+    d_pre = float(jnp.max(jnp.abs(out["ref"][0] - out["pallas"][0])))
+    d_dec = float(jnp.max(jnp.abs(out["ref"][1] - out["pallas"][1])))
+    scale = float(jnp.max(jnp.abs(out["ref"][0])))
+    return d_pre, d_dec, scale
+
+
 def main():
     from pallasite.ops.quant.hadamard import hadamard_matrix
     from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4
@@ -95,6 +130,10 @@ def main():
         pal = kv4_decode_attention(q, *cache, pos, sliding_window=window, impl="pallas", interpret=False, block_s=64)
         err = float(jnp.max(jnp.abs(ref - pal)))
         report(f"kv4_decode window={window}", err < 5e-3, f"max abs err {err:.2e} (TF32 dots allowed)")
+
+    d_pre, d_dec, scale = check_deployed_model()
+    report("deployed tiny model, pallas vs ref", d_pre < 0.05 * scale and d_dec < 0.05 * scale,
+           f"prefill max |Δlogit| {d_pre:.2e}, decode {d_dec:.2e} (logit scale {scale:.2f}; rare rounding ties allowed)")
 
     from pallasite.benchmarks import quant as bench
 
