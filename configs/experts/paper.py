@@ -38,13 +38,15 @@ SIZES = {
     "410m": dict(n_layers=24, d_model=1024, n_heads=16, d_ff=4096, lr=3e-4),
     "1b": dict(n_layers=16, d_model=2048, n_heads=8, d_ff=8192, lr=3e-4),
 }
-KINDS = ("dense", "moe10", "moe34", "mole4", "mole16")
+KINDS = ("dense", "moe10", "moe34", "mole4", "mole16", "dense_glu")
 
 
 def ffn_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2) -> dict:
     """The ffn / moe / mole fields of one variant, for a shared FFN width ``d_ff`` = D_s."""
     if kind == "dense":
         return dict(ffn="mole", mole=dict(n_experts=0))
+    if kind == "dense_glu":  # control: the core's gated FFN (GeGLU) at the dense model's activated params
+        return dict(ffn="dense", hidden_act="gelu_exact", d_ff=max(1, round(d_ff * 2 / 3)))
     if kind.startswith("mole"):
         return dict(ffn="mole", mole=dict(n_experts=int(kind[4:])))
     if kind.startswith("moe"):

@@ -18,8 +18,10 @@ Per layer, activated FFN parameters: dense 2·d·D_s; MoLE the same + d·N (rout
 the SwiGLU width is D_s/3. Training-time expert parameters: MoLE-4E ≈ MoE-10E (5 FFN widths),
 MoLE-16E ≈ MoE-34E (17), as in the paper.
 
-Variants (``kind``): dense, moe10, moe34, mole4, mole16, and ``moe16k4`` (16 experts, top-4, width
-D_s/6: a trained routing with k ≥ 4 for the Occult benchmark, saved with its checkpoint).
+Variants (``kind``): dense, moe10, moe34, mole4, mole16, ``moe16k4`` (16 experts, top-4, width
+D_s/6: a trained routing with k ≥ 4 for the Occult benchmark, saved with its checkpoint) and
+``dense_glu`` (control: the core's gated FFN, GeGLU of width 2·D_s/3 — the MoE experts' form — at
+the dense model's activated parameters, to separate "gated vs non-gated FFN" from "experts").
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 from pallasite.configs import parse_arg, train_defaults
 from pallasite.configs.experts.paper import _validated, ffn_fields
 
-KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4")
+KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4", "dense_glu")
 SCALES = {
     "cpu": dict(d_model=32, n_layers=2, n_heads=4, d_ff=128, vocab=2048, seq_len=128, batch=16, steps=300,
                 lr=3e-3, train_bytes=3_000_000),
@@ -177,15 +179,18 @@ def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0) -> dict:
     from pallasite.training.loop import train
 
     os.makedirs(out, exist_ok=True)
-    results = {}
-    tok = ""
+    qpath = os.path.join(out, "quality.json")
+    results = json.load(open(qpath)) if os.path.exists(qpath) else {}  # extend an earlier run
+    # one tokenizer for every variant: the first run's (trained on the same train split)
+    tok = next((os.path.join(out, k, "tokenizer") for k in KINDS
+                if os.path.exists(os.path.join(out, k, "tokenizer", "tokenizer.json"))), "")
     for kind in kinds:
         cfg = load_config(get_config(f"kind={kind},scale={scale},steps={steps}" + (f",tokenizer={tok}" if tok else "")))
         res = train(cfg, os.path.join(out, kind))
         tok = tok or os.path.join(out, kind, "tokenizer")
         results[kind] = {k: res[k] for k in ("eval_loss", "train_loss", "num_params", "tokens_per_s", "wall_s")}
         print(json.dumps({kind: results[kind]}), flush=True)
-        with open(os.path.join(out, "quality.json"), "w") as f:  # after each model: partial runs keep results
+        with open(qpath, "w") as f:  # after each model: partial runs keep results
             json.dump(results, f, indent=2)
     return results
 
