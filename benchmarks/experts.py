@@ -61,6 +61,7 @@ from pallasite.models import mole_lut as ML
 from pallasite.models.config import ModelConfig
 from pallasite.models.layers import activation
 from pallasite.models.moe import expert_ffn_rows, moe_config_of, route
+from pallasite.models.mole import expert_variant_fields
 from pallasite.models.transformer import init_model
 
 PCIE_BPS = 16e9  # the paper's loading-speed estimate
@@ -74,12 +75,10 @@ SIZES = {  # d, L, heads, D_s, vocab
 
 
 def make_cfg(size: str, kind: str, *, n_mole: int = 4, n_moe: int = 10, top_k: int = 2) -> ModelConfig:
-    from pallasite.configs.experts.paper import ffn_fields
-
     s = SIZES[size]
     d = dict(family="llama", vocab_size=s["vocab_size"], d_model=s["d_model"], n_layers=s["n_layers"],
              n_heads=s["n_heads"], n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=4096, hidden_act="gelu_exact")
-    d.update(ffn_fields({"dense": "dense", "moe": f"moe{n_moe}", "mole": f"mole{n_mole}"}[kind], s["d_ff"], top_k=top_k))
+    d.update(expert_variant_fields({"dense": "dense", "moe": f"moe{n_moe}", "mole": f"mole{n_mole}"}[kind], s["d_ff"], top_k=top_k))
     return ModelConfig.from_dict(d)
 
 

@@ -214,6 +214,31 @@ class MoLEFFN(nnx.Module):
 register_ffn("mole", MoLEFFN)
 
 
+# ----------------------------------------------------------------------------- variants
+def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2) -> dict:
+    """ModelConfig fields (ffn / moe / mole / d_ff / hidden_act) of one variant of the paper's
+    comparison for a dense FFN width ``d_ff`` = D_s: dense (MoLE with N = 0: non-gated GELU),
+    moleN, moeN (top-k SwiGLU-form experts, exact GELU, width D_s/(1.5k) for equal activated
+    parameters, or D_s/2 with ``moe_width="paper"``), dense_glu (gated control). Used by
+    configs/experts and benchmarks/experts (kept here so neither needs the other)."""
+    if kind == "dense":
+        return dict(ffn="mole", mole=dict(n_experts=0))
+    if kind == "dense_glu":  # control: the core's gated FFN (GeGLU) at the dense model's activated params
+        return dict(ffn="dense", hidden_act="gelu_exact", d_ff=max(1, round(d_ff * 2 / 3)))
+    if kind.startswith("mole"):
+        return dict(ffn="mole", mole=dict(n_experts=int(kind[4:])))
+    if kind.startswith("moe"):
+        if moe_width not in ("equal_params", "paper"):
+            raise ValueError(f"moe_width={moe_width!r}; expected equal_params | paper")
+        # equal_params: k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the
+        # dense FFN (top-2 → D_s/3, the paper's D_s/2 non-gated experts in SwiGLU form).
+        width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
+        return dict(ffn="moe", hidden_act="gelu_exact",
+                    moe=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
+                             lb_loss_coef=0.01, z_loss_coef=0.001))
+    raise ValueError(f"unknown expert variant {kind!r}; expected dense | dense_glu | moleN | moeN")
+
+
 # ----------------------------------------------------------------------------- accounting
 def activated_ffn_params(cfg: ModelConfig) -> int:
     """Per-layer FFN parameters touched per token at inference (paper's "activated"):

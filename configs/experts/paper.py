@@ -32,6 +32,7 @@ iterations, Adam(0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 (160M) / 3e-4 (
 from __future__ import annotations
 
 from pallasite.configs import models, parse_arg, train_defaults
+from pallasite.models.mole import expert_variant_fields as ffn_fields  # noqa: F401  (re-exported)
 
 SIZES = {
     "160m": dict(n_layers=12, d_model=768, n_heads=12, d_ff=3072, lr=6e-4),
@@ -39,26 +40,6 @@ SIZES = {
     "1b": dict(n_layers=16, d_model=2048, n_heads=8, d_ff=8192, lr=3e-4),
 }
 KINDS = ("dense", "moe10", "moe34", "mole4", "mole16", "dense_glu")
-
-
-def ffn_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2) -> dict:
-    """The ffn / moe / mole fields of one variant, for a shared FFN width ``d_ff`` = D_s."""
-    if kind == "dense":
-        return dict(ffn="mole", mole=dict(n_experts=0))
-    if kind == "dense_glu":  # control: the core's gated FFN (GeGLU) at the dense model's activated params
-        return dict(ffn="dense", hidden_act="gelu_exact", d_ff=max(1, round(d_ff * 2 / 3)))
-    if kind.startswith("mole"):
-        return dict(ffn="mole", mole=dict(n_experts=int(kind[4:])))
-    if kind.startswith("moe"):
-        if moe_width not in ("equal_params", "paper"):
-            raise ValueError(f"moe_width={moe_width!r}; expected equal_params | paper")
-        # equal_params: k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the
-        # dense FFN (top-2 → D_s/3, the paper's D_s/2 non-gated experts in SwiGLU form).
-        width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
-        return dict(ffn="moe", hidden_act="gelu_exact",
-                    moe=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
-                             lb_loss_coef=0.01, z_loss_coef=0.001))
-    raise ValueError(f"unknown expert variant {kind!r}; expected one of {KINDS} (or moeN / moleN)")
 
 
 def model(size: str, kind: str, *, vocab_size: int = 50304, moe_width: str = "equal_params", **overrides) -> dict:
