@@ -189,3 +189,33 @@ def test_config_roundtrip_and_errors(trained_like):
         MD.with_lut_rows(init_model(tiny_cfg(), seed=0), jnp.zeros((1, 4, L, N, D)))
     with pytest.raises(ValueError, match=r"expected \[B, T, 2, 4, 64\]"):
         MD.with_lut_rows(lut_model, jnp.zeros((1, 4, L, N + 1, D)))
+
+
+@pytest.mark.parametrize("size", ["cpu", "160m", "410m", "1b"])
+def test_expert_configs_equal_activated_params(size):
+    """configs/experts: every variant activates the dense FFN's 2·d·D_s parameters per token
+    (MoLE: shared FFN + router; MoE: k gated experts; within 2%), and MoLE's training-time expert
+    parameters match MoE-10E / MoE-34E as in the paper (N=4 ↔ 10E, N=16 ↔ 34E)."""
+    from pallasite.configs.experts import paper, quality
+    from pallasite.models.config import ModelConfig
+
+    def cfg(kind):
+        d = quality.model_dict(kind, "cpu") if size == "cpu" else paper.model(size, kind)
+        return ModelConfig.from_dict({**d, "vocab_size": d["vocab_size"] or 512})
+
+    dense = cfg("dense")
+    D, Ds = dense.d_model, dense.d_ff
+    assert activated_ffn_params(dense) == 2 * D * Ds
+    for kind, n in (("mole4", 4), ("mole16", 16)):
+        c = cfg(kind)
+        assert c.ffn == "mole" and c.mole.n_experts == n and c.hidden_act == "gelu_exact"
+        assert activated_ffn_params(c) == 2 * D * Ds + D * n
+    for kind, e in (("moe10", 10), ("moe34", 34)):
+        m = cfg(kind).moe
+        assert (m.num_experts, m.top_k) == (e, 2) and m.lb_loss_coef == 0.01 and m.z_loss_coef == 0.001
+        assert abs(m.top_k * 3 * D * m.d_expert / (2 * D * Ds) - 1) < 0.02
+        # training-time expert weights: MoLE-4E ≈ MoE-10E, MoLE-16E ≈ MoE-34E (in units of 2·d·D_s)
+        mole_n = {10: 4, 34: 16}[e]
+        assert abs(e * 3 * D * m.d_expert / (2 * D * Ds) - (mole_n + 1)) / (mole_n + 1) < 0.02
+    glu = cfg("dense_glu")
+    assert glu.ffn == "dense" and abs(3 * D * glu.d_ff / (2 * D * Ds) - 1) < 0.02
