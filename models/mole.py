@@ -113,8 +113,8 @@ def mole_config_of(cfg: ModelConfig) -> MoLEConfig:
 class LUTRows(nnx.Variable):
     """Per-step lookup-table rows ``[B, T, N, d]`` of the tokens being processed (LUT mode).
 
-    Not a parameter (no gradient, not counted as model weights): the decode loop writes the
-    rows fetched from the host / disk LUT store into it before each forward."""
+    Not a parameter (no gradient, not counted as model weights): ``mole_decode.with_lut_rows``
+    places the rows fetched from the host / disk LUT store here before each forward."""
 
 
 class GeluMLP(nnx.Module):
@@ -181,7 +181,9 @@ class MoLEFFN(nnx.Module):
 
     def gates(self, u_BTD: jax.Array) -> jax.Array:
         """g = softmax(u · R) over all N experts, in float32: ``[B, T, N]``."""
-        logits = jnp.dot(u_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        # HIGHEST: a true fp32 matmul on accelerators too (TF32 / bf16 passes would not be "fp32")
+        logits = jnp.dot(u_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
         return jax.nn.softmax(logits, axis=-1)
 
     def expert_outputs(self, embed_BTD: jax.Array) -> jax.Array:
