@@ -16,8 +16,8 @@ The kernel never indexes K/V arrays itself; a ``KVSource`` does::
     KVSource(arrays=(a0, a1, ...), load=fn, head_dim=D)
 
 * every array has layout ``[B, S, K, ...]`` (slot axis 1, KV-head axis 2, any trailing dims);
-  the kernel hands ``load`` one ref per array, already restricted to (row b, head h, this split):
-  ref shapes ``[S_split, ...]``;
+  the kernel hands ``load`` one ref per array, already restricted to (row b, head h): ref shapes
+  ``[S, ...]``; each split program loads only its own contiguous run of blocks;
 * ``load(refs, sl) -> (k_blk, v_blk)`` returns the ``[block_k, D]`` key and value block for the
   slot slice ``sl`` (a ``pl.ds`` of length ``block_k``) in any float dtype; the kernel casts to the
   query dtype and accumulates in float32.
@@ -131,18 +131,18 @@ def quantize_int8(x_BSKD):
     return q, scale.astype(jnp.float32)
 
 
-def _decode_kernel(lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, block_k, split_len):
-    kv_refs = refs[:n_arrays]
+def _decode_kernel(lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, block_k, blocks_per_split, n_blocks):
+    kv_refs = refs[:n_arrays]  # whole slot axis of this (row, head); the split picks its blocks
     o_ref, m_ref, l_ref = refs[n_arrays:]
     j = pl.program_id(2)
     q = q_ref[...]  # [Gp, Dp]
     Gp, Dp = q.shape
-    base = j * split_len
+    first = j * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, n_blocks)
     kv_len = lens_ref[...]  # row's visible slots are [start, len)
     kv_start = starts_ref[...]
-    n_blocks = split_len // block_k
-    lo = jnp.clip((kv_start - base) // block_k, 0, n_blocks)
-    hi = jnp.clip(pl.cdiv(kv_len - base, block_k), 0, n_blocks)
+    lo = jnp.clip(kv_start // block_k, first, last)
+    hi = jnp.clip(pl.cdiv(kv_len, block_k), first, last)
     offs = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
@@ -154,7 +154,7 @@ def _decode_kernel(lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, bl
             k = jnp.pad(k, ((0, 0), (0, Dp - k.shape[-1])))
             v = jnp.pad(v, ((0, 0), (0, Dp - v.shape[-1])))
         s = _dot(q, k, trans_b=True) * scale  # [Gp, bk]
-        slot = base + i * block_k + offs
+        slot = i * block_k + offs
         visible = (slot >= kv_start) & (slot < kv_len)
         s = jnp.where(visible[None, :], s, -jnp.inf)
         v = jnp.where(visible[:, None], v, 0)  # unused slots may hold anything (NaN): 0 * NaN = NaN
@@ -191,21 +191,22 @@ def _decode_call(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale,
     if Sp != S:  # padded slots are never visible (slot >= kv_len)
         arrays = tuple(_pad_axis(a, 1, Sp) for a in arrays)
     n_blocks = Sp // bk
-    n_splits = 1
-    while n_splits * 2 <= k_splits and n_blocks % (n_splits * 2) == 0:
-        n_splits *= 2
-    split_len = Sp // n_splits
+    # Splits are contiguous runs of blocks over the whole slot axis (no divisibility needed, so a
+    # 32k+128-slot cache still gets k_splits programs per (row, head)).
+    n_splits = max(1, min(k_splits, n_blocks))
+    blocks_per_split = pl.cdiv(n_blocks, n_splits)
+    n_splits = pl.cdiv(n_blocks, blocks_per_split)
     Gp, Dp = _next_pow2(G), _next_pow2(D)
     q = _pad_axis(_pad_axis(q_BKGD, 2, Gp), 3, Dp)
 
     def kv_spec(a):
         rest = a.shape[3:]
         zeros = (0,) * len(rest)
-        return pl.BlockSpec((None, split_len, None, *rest), lambda b, h, j: (b, j, h, *zeros))
+        return pl.BlockSpec((None, Sp, None, *rest), lambda b, h, j: (b, 0, h, *zeros))
 
     row = pl.BlockSpec((None,), lambda b, h, j: (b,))
     kernel = functools.partial(_decode_kernel, load=load, n_arrays=len(arrays), scale=scale, block_k=bk,
-                               split_len=split_len)
+                               blocks_per_split=blocks_per_split, n_blocks=n_blocks)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, K, n_splits),
@@ -236,7 +237,7 @@ def decode_attention(
     *,
     scale: Optional[float] = None,
     block_k: int = 128,
-    k_splits: int = 8,
+    k_splits: int = 16,
     interpret: Optional[bool] = None,
 ) -> jax.Array:
     """Attention of one query per (row, query head) over cache slots ``[kv_start_B, kv_len_B)``.
@@ -282,7 +283,7 @@ def decode_attention_reference(q_BKGD, source: KVSource, kv_len_B, kv_start_B=No
 
 
 def dense_decode(q_BTHD, k_BSKD, v_BSKD, *, q_positions_BT, sliding_window=None, interpret=None,
-                 block_k: int = 128, k_splits: int = 8):
+                 block_k: int = 128, k_splits: int = 16):
     """Decode step over a dense cache (slot = position): what ``DenseKVCache`` calls for T == 1."""
     B, T, H, D = q_BTHD.shape
     if T != 1:
