@@ -54,6 +54,11 @@ def lut_forward(graphdef, state, rows_BTLND, tokens_BT, positions_BT=None, *, ca
     return model(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
 
 
+class LUTTable(nnx.Variable):
+    """A whole LUT ``[V, L, N, d]`` held in the model state, i.e. in device memory (on a CPU
+    backend that is host RAM, gathered without any host round trip). Not a parameter."""
+
+
 class LUTServing(nnx.Module):
     """A LUT-mode MoLE model that fetches its own rows: ``serve_with_store(lut_model, store)``.
 
@@ -65,9 +70,10 @@ class LUTServing(nnx.Module):
     returns them (NF-quantized stores return the packed codes + scales, unpacked on the device);
     then ``with_lut_rows`` and the wrapped model's forward."""
 
-    def __init__(self, lut_model, store):
+    def __init__(self, lut_model, store=None, table=None):
         self.inner = lut_model
         self.store = store  # static attribute (identity-hashed): lives on the host, never on the device
+        self.table = None if table is None else LUTTable(jnp.asarray(table))
         self.cfg = lut_model.cfg
 
     @property
@@ -79,6 +85,8 @@ class LUTServing(nnx.Module):
         return self.inner.lm_head
 
     def fetch_rows(self, tokens_BT: jax.Array) -> jax.Array:
+        if self.table is not None:  # device-resident LUT: one in-graph gather
+            return jnp.take(self.table[...], tokens_BT, axis=0)
         store = self.store
         payload = jax.pure_callback(store.host_fetch, store.payload_shapes(tokens_BT.shape),
                                     tokens_BT.astype(jnp.int32), vmap_method="sequential")
@@ -95,3 +103,15 @@ def serve_with_store(lut_model, store) -> LUTServing:
         raise ValueError("serve_with_store: the model is not in LUT mode; use models.mole_lut.to_lut_model first")
     store.check_model(lut_model)
     return LUTServing(lut_model, store)
+
+
+def serve_on_device(lut_model, lut_VLND) -> LUTServing:
+    """The LUT kept in device memory (no offloading): the reference point that isolates the cost
+    of the host round trip from MoLE's own compute. Device bytes grow by the whole table."""
+    cfg = lut_model.cfg
+    m = mole_config_of(cfg)
+    want = (cfg.vocab_size, cfg.n_layers, m.n_experts, cfg.d_model)
+    if m.mode != "lut" or tuple(lut_VLND.shape) != want:
+        raise ValueError(f"serve_on_device: need a LUT-mode model and a LUT of shape {want}, got "
+                         f"mode={m.mode!r}, LUT {tuple(lut_VLND.shape)}")
+    return LUTServing(lut_model, None, lut_VLND)

@@ -46,6 +46,8 @@ def test_disk_store_equals_host_store(setup):
     np.testing.assert_array_equal(disk.fetch(toks)[0], host.fetch(toks)[0])
     a, b = _logits_with_store(model, host, toks), _logits_with_store(model, disk, toks)
     np.testing.assert_array_equal(a, b)  # same bytes in, same logits out
+    g, s = nnx.split(MD.serve_on_device(ML.to_lut_model(model), host.data[0]))  # device-resident reference
+    np.testing.assert_array_equal(np.asarray(jax.jit(forward, static_argnums=0)(g, s, toks)[0]), a)
     # and both equal the training-mode model up to the fp16 rounding of the table
     ref = np.asarray(forward(*nnx.split(model), toks)[0])
     assert np.abs(a - ref).max() < 1e-3
