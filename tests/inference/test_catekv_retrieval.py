@@ -1,5 +1,5 @@
 """Slow: pass-key retrieval on SmolLM2-135M at ~1k context with the CateKV cache (small N; the
-figures in docs/attention.md come from ``python -m pallasite.inference.cache.catekv_eval`` at 4k)."""
+figures in docs/attention.md come from ``python -m pallasite.inference.cache.catekv_eval``)."""
 
 import pytest
 
