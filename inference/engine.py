@@ -152,9 +152,7 @@ class SamplingStrategy:
 
 
 def _lm_head(model, h_BTD: jax.Array) -> jax.Array:
-    # Mirrors the last line of Transformer.__call__ (tied: embed.attend, else lm_head).
-    logits = model.embed.attend(h_BTD) if model.lm_head is None else model.lm_head(h_BTD)
-    return logits.astype(jnp.float32)
+    return model.head(h_BTD)
 
 
 def _model_fn(graphdef, state):

@@ -111,8 +111,12 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         if return_hidden:
             return x, cache, aux
-        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32), cache, aux
+        return self.head(x), cache, aux
+
+    def head(self, h_BTD: jax.Array) -> jax.Array:
+        """float32 logits from final-normed hidden states (tied: embedding transpose)."""
+        logits = self.embed.attend(h_BTD) if self.lm_head is None else self.lm_head(h_BTD)
+        return logits.astype(jnp.float32)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
