@@ -63,7 +63,7 @@ class LUTServing(nnx.Module):
     """A LUT-mode MoLE model that fetches its own rows: ``serve_with_store(lut_model, store)``.
 
     Called like the Transformer (``(tokens, positions, cache=, segment_ids=, return_hidden=)``,
-    with ``cfg``, ``embed`` and ``lm_head`` exposed), so the project's one generation engine
+    with ``cfg``, ``embed``, ``lm_head`` and ``head`` exposed), so the project's one generation engine
     (``inference.engine``: jitted prefill, ``while_loop`` decode) and ``models.forward`` run it
     unchanged. Per forward: ONE ``jax.pure_callback`` hands the token ids to the host, the store
     gathers exactly those tokens' rows for all layers (from RAM or the memory-mapped file) and
@@ -83,6 +83,9 @@ class LUTServing(nnx.Module):
     @property
     def lm_head(self):
         return self.inner.lm_head
+
+    def head(self, h_BTD: jax.Array) -> jax.Array:
+        return self.inner.head(h_BTD)
 
     def fetch_rows(self, tokens_BT: jax.Array) -> jax.Array:
         if self.table is not None:  # device-resident LUT: one in-graph gather
