@@ -33,20 +33,11 @@ import numpy as np
 
 from pallasite.inference.cache.catekv import CateKVConfig, init_catekv_cache, memory_report
 from pallasite.models.config import ModelConfig
+from pallasite.benchmarks.timing import median_time
 from pallasite.ops.attention.reference import attention as reference_attention
 
 
-def _time(fn, *args, iters=10, warmup=2):
-    out = None
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples))
+_time = median_time
 
 
 def _interleaved(fns, args_list, rounds=5, iters=4):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,17 +31,11 @@ from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref
 from pallasite.ops.quant.kv4_attention import kv4_decode_attention
 from pallasite.ops.quant.quantizers import pack_int4, quantize_act_sym, quantize_kv_asym
 from pallasite.ops.attention.reference import attention as reference_attention
+from pallasite.benchmarks.timing import median_time
 
 
 def bench(fn, *args, reps=5):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return median_time(fn, *args, iters=reps, warmup=1)
 
 
 def orth(n, seed):
