@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One script for every GPU check (run from the repository root on a CUDA machine, e.g. the H200
+# device: `bash benchmarks/gpu_checks.sh`). Writes logs and JSON lines under ${OUT:-gpu_out}/.
+# Needs jax[cuda], flax, optax, orbax, torch, transformers; ml-collections, gguf and tensorboardX
+# travel as wheels in .whl/ when missing (see the device tool's README).
+set -u
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+mkdir -p /tmp/pp && ln -sfn "$PWD" /tmp/pp/pallasite && export PYTHONPATH=/tmp/pp:${PYTHONPATH:-}
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+run() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name"; ( time timeout "$limit" "$@" ) > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 3 "$OUT/$name.log"
+}
+run attention_kernels 150 python -m pallasite.ops.attention.gpu_check
+run quant_kernels     150 python -m pallasite.ops.quant.gpu_check
+run gmm               90  python -m pytest -q -p no:cacheprovider tests/ops/test_gmm.py
+run gmm_timing        60  python -m pallasite.ops.gmm --quick
+run decode_bench      200 python -m pallasite.benchmarks.decode --quick --dtypes bfloat16
+run experts_bench     120 python -m pallasite.benchmarks.experts --quick
+run train_bench       90  python -m pallasite.benchmarks.train --quick
+grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null || true
