@@ -193,3 +193,16 @@ def sub_config_from_dict(key: str, d: Mapping[str, Any]):
     if unknown:
         raise ValueError(f"ModelConfig.{key}: unknown key(s) {unknown}; known keys are {sorted(known)}")
     return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+def sub_config_of(cfg: "ModelConfig", key: str, cls: type):
+    """The method sub-config ``cfg.<key>`` as a ``cls`` instance: defaults when None, validated
+    (unknown keys named) when given as a mapping, a clear error for any other type."""
+    value = getattr(cfg, key)
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        return sub_config_from_dict(key, value)
+    if not isinstance(value, cls):
+        raise TypeError(f"ModelConfig.{key} must be a {cls.__name__}, got {type(value).__name__}")
+    return value

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallasite.models.config import ModelConfig, register_sub_config
+from pallasite.models.config import ModelConfig, register_sub_config, sub_config_of
 from pallasite.models.ffn import DenseFFN, register_ffn
 from pallasite.models.layers import activation, dtype_of
 from pallasite.ops.gmm import gmm
@@ -130,14 +130,7 @@ register_sub_config("moe", MoEConfig)
 
 
 def moe_config_of(cfg: ModelConfig) -> MoEConfig:
-    m = cfg.moe
-    if m is None:
-        return MoEConfig()
-    if isinstance(m, dict):
-        return MoEConfig(**m)
-    if not isinstance(m, MoEConfig):
-        raise TypeError(f"ModelConfig.moe must be a MoEConfig, got {type(m).__name__}")
-    return m
+    return sub_config_of(cfg, "moe", MoEConfig)
 
 
 class ExpertSimilarity(nnx.Variable):

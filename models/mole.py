@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallasite.models.config import ModelConfig, register_sub_config
+from pallasite.models.config import ModelConfig, register_sub_config, sub_config_of
 from pallasite.models.ffn import register_ffn
-from pallasite.models.layers import RMSNorm, activation, dtype_of, make_linear, rms_norm
+from pallasite.models.layers import RMSNorm, activation, dtype_of, make_linear
 
 MOLE_MODES = ("train", "lut")
 
@@ -100,14 +100,7 @@ register_sub_config("mole", MoLEConfig)
 def mole_config_of(cfg: ModelConfig) -> MoLEConfig:
     if cfg.ffn != "mole":
         raise ValueError(f"ModelConfig.ffn={cfg.ffn!r}; a MoLE model needs ffn='mole'")
-    m = cfg.mole
-    if m is None:
-        return MoLEConfig()
-    if isinstance(m, dict):
-        return MoLEConfig(**m)
-    if not isinstance(m, MoLEConfig):
-        raise ValueError(f"ModelConfig.mole must be a MoLEConfig, got {type(m).__name__}")
-    return m
+    return sub_config_of(cfg, "mole", MoLEConfig)
 
 
 class LUTRows(nnx.Variable):

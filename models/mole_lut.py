@@ -324,7 +324,8 @@ class LUTStore:
         _check_meta(self.meta, model, where=self.location)
 
     def _arrays(self):
-        raise NotImplementedError
+        """The numpy arrays holding the table (codes and scales); each store kind provides them."""
+        raise NotImplementedError(f"{type(self).__name__} must define _arrays()")
 
 
 class HostLUT(LUTStore):

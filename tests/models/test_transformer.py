@@ -114,3 +114,15 @@ def test_config_from_dict_rejects_unknown_keys_and_round_trips():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown key.*hiden_size"):
         ModelConfig.from_dict({"hiden_size": 3})
+
+
+def test_method_sub_configs_are_validated_from_mappings():
+    from pallasite.models.config import sub_config_of
+    from pallasite.models.moe import MoEConfig, moe_config_of
+
+    cfg = ModelConfig(ffn="moe", moe={"num_experts": 4})
+    assert isinstance(moe_config_of(cfg), MoEConfig) and moe_config_of(cfg).num_experts == 4
+    with pytest.raises(ValueError, match=r"ModelConfig.moe: unknown key\(s\) \[.num_expert.\]"):
+        sub_config_of(ModelConfig(ffn="moe", moe={"num_expert": 4}), "moe", MoEConfig)
+    with pytest.raises(TypeError, match="must be a MoEConfig"):
+        sub_config_of(ModelConfig(ffn="moe", moe=3), "moe", MoEConfig)
