@@ -9,17 +9,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 mkdir -p /tmp/pp && ln -sfn "$PWD" /tmp/pp/pallasite && export PYTHONPATH=/tmp/pp:${PYTHONPATH:-}
-export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+LOGS=$(mktemp -d)  # per-check logs; appended to one file because the device returns few files
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/all.log" 2>&1
 run() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
-  echo "== $name"; ( time timeout "$limit" "$@" ) > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -n 3 "$OUT/$name.log"
+  echo "== $name"; ( time timeout "$limit" "$@" ) > "$LOGS/$name.log" 2>&1; echo "rc=$?" >> "$LOGS/$name.log"
+  tail -n 3 "$LOGS/$name.log"; { echo "=== $name"; cat "$LOGS/$name.log"; } >> "$OUT/all.log"
+  grep -h '^{' "$LOGS/$name.log" | sed "s/^{/{\"check\": \"$name\", /" >> "$OUT/results.jsonl" || true
 }
-run attention_kernels 150 python -m pallasite.ops.attention.gpu_check
-run quant_kernels     150 python -m pallasite.ops.quant.gpu_check
-run gmm               90  python -m pytest -q -p no:cacheprovider tests/ops/test_gmm.py
-run gmm_timing        60  python -m pallasite.ops.gmm --quick
-run decode_bench      200 python -m pallasite.benchmarks.decode --quick --dtypes bfloat16
-run experts_bench     120 python -m pallasite.benchmarks.experts --quick
-run train_bench       90  python -m pallasite.benchmarks.train --quick
-grep -h '^{' "$OUT"/*.log > "$OUT/results.jsonl" 2>/dev/null || true
+run attention_kernels 110 python -m pallasite.ops.attention.gpu_check
+run quant_kernels     110 python -m pallasite.ops.quant.gpu_check
+run gmm               60  python -m pytest -q -p no:cacheprovider tests/ops/test_gmm.py
+run gmm_timing        30  python -m pallasite.ops.gmm --quick
+run decode_bench      90  python -m pallasite.benchmarks.decode --quick --dtypes bfloat16
+run experts_bench     60  python -m pallasite.benchmarks.experts --quick
+run train_bench       50  python -m pallasite.benchmarks.train --quick
