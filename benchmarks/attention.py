@@ -53,56 +53,123 @@ def _interleaved(fns, args_list, rounds=5, iters=4):
     return [float(np.median(s)) for s in samples]
 
 
+def _stack_layers(layer, dense_k, dense_v, L):
+    """An L-layer copy of one filled layer: dense [L, B, S, K, D]; CateKV pools tiled along the head
+    axis with base l·a (what ``pool_offsets`` gives for equal per-layer counts)."""
+    per, (kf, vf, ks, vs) = layer.split_shared()
+    a, c = kf.shape[2], ks.shape[2]
+    per = jax.tree.map(lambda x: jnp.broadcast_to(x, (L,) + x.shape), per)
+    per = per.replace(full_base=jnp.arange(L, dtype=jnp.int32) * a, sparse_base=jnp.arange(L, dtype=jnp.int32) * c)
+    tile = lambda x: jnp.tile(x, (1, 1, L, 1))
+    cache = per.join_shared((tile(kf), tile(vf), tile(ks), tile(vs)))
+    return cache, jnp.broadcast_to(dense_k, (L,) + dense_k.shape), jnp.broadcast_to(dense_v, (L,) + dense_v.shape)
+
+
+def _over_layers(attend_one):
+    """Attention of one query per layer, over every layer of a cache (``lax.scan``, like the model)."""
+    def dense(q, kc_L, vc_L, p):
+        return jax.lax.scan(lambda _, kv: (None, attend_one(q, kv[0], kv[1], p)), None, (kc_L, vc_L))[1]
+    return dense
+
+
 def decode_bench(context: int, r: float, *, K=10, G=2, D=128, new=128, dtype=jnp.float32, use_pallas=False, seed=0,
-                 rounds=5):
-    L = 1
-    cfg = ModelConfig(vocab_size=16, d_model=K * G * D, n_layers=L, n_heads=K * G, n_kv_heads=K, head_dim=D, d_ff=16,
+                 rounds=5, layers=1, batch=1):
+    """One decode step of attention over ``layers`` layers (scanned) for ``batch`` rows."""
+    L, Bn = layers, batch
+    cfg = ModelConfig(vocab_size=16, d_model=K * G * D, n_layers=1, n_heads=K * G, n_kv_heads=K, head_dim=D, d_ff=16,
                       dtype=jnp.dtype(dtype).name)
     ccfg = CateKVConfig(budget=2048, adaptive_ratio=r)
     n_adaptive = int(round(r * K))
-    mask = np.zeros((L, K), bool)
+    mask = np.zeros((1, K), bool)
     mask[:, :n_adaptive] = True
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     S = context + new
-    k = jax.random.normal(ks[0], (1, context, K, D), dtype)
-    v = jax.random.normal(ks[1], (1, context, K, D), dtype)
-    q_last = jax.random.normal(ks[2], (1, ccfg.last_q, K * G, D), dtype)
-    q = jax.random.normal(ks[3], (1, 1, K * G, D), dtype)
-    dense_k = jnp.zeros((1, S, K, D), dtype).at[:, :context].set(k)
-    dense_v = jnp.zeros((1, S, K, D), dtype).at[:, :context].set(v)
-    cache = init_catekv_cache(cfg, 1, S, mask, catekv_cfg=ccfg, max_new_tokens=new, dtype=dtype)
-    layer = jax.tree.map(lambda a: a[0], cache)
-    layer = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.array([context])))(layer, q_last, k, v)
+    k = jax.random.normal(ks[0], (Bn, context, K, D), dtype)
+    v = jax.random.normal(ks[1], (Bn, context, K, D), dtype)
+    q_last = jax.random.normal(ks[2], (Bn, ccfg.last_q, K * G, D), dtype)
+    q = jax.random.normal(ks[3], (Bn, 1, K * G, D), dtype)
+    dense_k = jnp.zeros((Bn, S, K, D), dtype).at[:, :context].set(k)
+    dense_v = jnp.zeros((Bn, S, K, D), dtype).at[:, :context].set(v)
+    cache = init_catekv_cache(cfg, Bn, S, mask, catekv_cfg=ccfg, max_new_tokens=new, dtype=dtype)
+    layer = cache.layer(0)
+    layer = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.full((Bn,), context)))(layer, q_last, k, v)
     del k, v
-    pos = jnp.array([[context - 1]], jnp.int32)  # attend as the last prompt token would (all N entries)
+    pos = jnp.full((Bn, 1), context - 1, jnp.int32)  # attend as the last prompt token would (all N entries)
+    if L > 1:
+        cache_L, dense_k, dense_v = _stack_layers(layer, dense_k, dense_v, L)
+    else:
+        cache_L = None
 
-    full_ref = jax.jit(lambda q, kc, vc, p: reference_attention(q, kc, vc, q_positions_BT=p))
-    cate_ref = jax.jit(lambda c, q, p: c.attend(q, p, impl="ref"))
-    t_full, t_cate = _interleaved([full_ref, cate_ref], [(q, dense_k, dense_v, pos), (layer, q, pos)], rounds=rounds,
+    def cate_fn(impl):
+        one = lambda c, q, p: c.attend(q, p, impl=impl, interpret=False if impl == "pallas" else None)
+        if L == 1:
+            return jax.jit(one)
+
+        def many(c, q, p):
+            per, pools = c.split_shared()
+            return jax.lax.scan(lambda _, lc: (None, one(lc.join_shared(pools), q, p)), None, per)[1]
+        return jax.jit(many)
+
+    def full_fn(one):
+        return jax.jit(one if L == 1 else _over_layers(one))
+
+    cate_arg = layer if L == 1 else cache_L
+    full_ref = full_fn(lambda q, kc, vc, p: reference_attention(q, kc, vc, q_positions_BT=p))
+    cate_ref = cate_fn("ref")
+    t_full, t_cate = _interleaved([full_ref, cate_ref], [(q, dense_k, dense_v, pos), (cate_arg, q, pos)], rounds=rounds,
                                   iters=2 if rounds < 5 else 4)
-    err = float(jnp.max(jnp.abs(cate_ref(layer, q, pos).astype(jnp.float32) -
+    err = float(jnp.max(jnp.abs(cate_ref(cate_arg, q, pos).astype(jnp.float32) -
                                 full_ref(q, dense_k, dense_v, pos).astype(jnp.float32))))
-    full_bytes = int(dense_k.nbytes + dense_v.nbytes)
-    cate_bytes = int(sum(a.nbytes for a in jax.tree.leaves(layer)))
-    rep = memory_report(n_layers=1, n_kv_heads=K, head_dim=D, context=context, new_tokens=new, adaptive_ratio=r,
-                        catekv_cfg=ccfg, dtype_bytes=jnp.dtype(dtype).itemsize)
+    full_bytes = int(dense_k.size * dense_k.dtype.itemsize + dense_v.size * dense_v.dtype.itemsize)
+    cate_bytes = int(sum(a.nbytes for a in jax.tree.leaves(cate_arg)))
+    rep = memory_report(n_layers=L, n_kv_heads=K, head_dim=D, context=context, new_tokens=new, adaptive_ratio=r,
+                        catekv_cfg=ccfg, dtype_bytes=jnp.dtype(dtype).itemsize, batch=Bn)
     assert rep["full_bytes"] == full_bytes, (rep, full_bytes)
-    row = {"context": context, "r": r, "full_ms": 1e3 * t_full, "catekv_ms": 1e3 * t_cate,
+    assert rep["hybrid_bytes"] == cate_bytes, (rep, cate_bytes)  # the arrays are exactly the formula
+    row = {"context": context, "r": r, "layers": L, "batch": Bn, "full_ms": 1e3 * t_full, "catekv_ms": 1e3 * t_cate,
            "speedup": t_full / t_cate, "full_bytes": full_bytes, "catekv_bytes": cate_bytes,
            "memory_ratio": full_bytes / cate_bytes, "ideal_ratio": rep["ideal_ratio"],
            "formula_ratio": rep["ratio"], "max_abs_diff_vs_full": err}
     if use_pallas:
         from pallasite.ops.attention.decode import dense_decode
 
-        full_pl = jax.jit(lambda q, kc, vc, p: dense_decode(q, kc, vc, q_positions_BT=p, interpret=False))
-        cate_pl = jax.jit(lambda c, q, p: c.attend(q, p, impl="pallas", interpret=False))
-        tf, tc = _interleaved([full_pl, cate_pl], [(q, dense_k, dense_v, pos), (layer, q, pos)], rounds=rounds)
+        full_pl = full_fn(lambda q, kc, vc, p: dense_decode(q, kc, vc, q_positions_BT=p, interpret=False))
+        cate_pl = cate_fn("pallas")
+        tf, tc = _interleaved([full_pl, cate_pl], [(q, dense_k, dense_v, pos), (cate_arg, q, pos)], rounds=rounds)
         row.update({"full_pallas_ms": 1e3 * tf, "catekv_pallas_ms": 1e3 * tc, "speedup_pallas": tf / tc,
                     "pallas_full_err": float(jnp.max(jnp.abs(full_pl(q, dense_k, dense_v, pos).astype(jnp.float32)
                                                            - full_ref(q, dense_k, dense_v, pos).astype(jnp.float32)))),
-                    "pallas_catekv_err": float(jnp.max(jnp.abs(cate_pl(layer, q, pos).astype(jnp.float32)
-                                                             - cate_ref(layer, q, pos).astype(jnp.float32))))})
+                    "pallas_catekv_err": float(jnp.max(jnp.abs(cate_pl(cate_arg, q, pos).astype(jnp.float32)
+                                                             - cate_ref(cate_arg, q, pos).astype(jnp.float32))))})
     return row
+
+
+def global_mask_memory(contexts=(1088, 2048, 8192), r=0.4, seed=0):
+    """SmolLM2-135M shape (30 layers × 3 KV heads, head dim 64, bf16) with a global (ragged) mask:
+    full ÷ hybrid for the packed pools (formula == allocated arrays) vs the old per-layer padded
+    layout, budget 384 / 512 / 2048 as in the retrieval runs."""
+    from pallasite.inference.cache.catekv import calibrate_head_mask
+
+    L, K, D = 30, 3, 64
+    rng = np.random.default_rng(seed)
+    mask = calibrate_head_mask(rng.random((4, L, K)) + np.linspace(0, 1, L)[None, :, None], r)  # depth-skewed
+    budgets = {1088: 384, 2048: 512}
+    cfg = ModelConfig(vocab_size=16, d_model=9 * D, n_layers=L, n_heads=9, n_kv_heads=K, head_dim=D, d_ff=16,
+                      dtype="bfloat16")
+    rows = []
+    for n in contexts:
+        ccfg = CateKVConfig(budget=budgets.get(n, 2048))
+        rep = memory_report(n_layers=L, n_kv_heads=K, head_dim=D, context=n, adaptive_ratio=r, catekv_cfg=ccfg,
+                            head_mask_LK=mask)
+        shapes = jax.eval_shape(lambda: init_catekv_cache(cfg, 1, n, mask, catekv_cfg=ccfg, max_new_tokens=0))
+        alloc = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        assert alloc == rep["hybrid_bytes"], (alloc, rep)
+        P = -(-ccfg.kept_max // 128) * 128
+        padded = L * (mask.sum(1).max() * n + (~mask).sum(1).max() * P) * 2 * D * 2
+        rows.append({"context": n, "budget": ccfg.budget, "ratio": rep["ratio"], "ideal_ratio": rep["ideal_ratio"],
+                     "padded_layout_ratio": rep["full_bytes"] / padded,
+                     "adaptive_per_layer_max": int(mask.sum(1).max()), "adaptive_heads": int(mask.sum())})
+    return rows
 
 
 def prefill_bench(T: int, *, H=16, K=4, D=128, dtype=jnp.float32, on_gpu=False):
@@ -129,11 +196,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="few iterations; still reaches 32k context")
     p.add_argument("--contexts", default="4096,16384,32768")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decode layers timed per step (scanned); default 1 on CPU, 8 on a GPU (launch-bound otherwise)")
+    p.add_argument("--batch", type=int, default=None, help="decode batch; default 1 on CPU, 4 on a GPU")
     args = p.parse_args(argv)
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     contexts = [int(c) for c in args.contexts.split(",")]
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    layers = args.layers or (8 if on_gpu else 1)
+    batch = args.batch or (4 if on_gpu else 1)
     t0 = time.time()
 
     print(f"backend={backend} devices={jax.devices()}")
@@ -146,13 +218,15 @@ def main(argv=None):
     for r in prefill:
         print(f"{r['T']:>6} {r['flash_mode']:>9} {r['ref_ms']:>9.2f} {r['flash_ms']:>9.2f} {r['max_abs_err']:>9.2e}")
 
-    print("\n== decode step attention: full cache vs CateKV (B=2048, 1 layer, K=10, G=2, D=128) ==")
+    print(f"\n== decode step attention: full cache vs CateKV (B=2048, {layers} layer(s), batch {batch}, "
+          "K=10, G=2, D=128) ==")
     rows = []
     for ctx in contexts:
         for r in (0.4, 0.3):
             if args.quick and r == 0.3 and ctx != contexts[-1]:
                 continue
-            rows.append(decode_bench(ctx, r, dtype=dtype, use_pallas=on_gpu, rounds=3 if args.quick else 5))
+            rows.append(decode_bench(ctx, r, dtype=dtype, use_pallas=on_gpu, rounds=3 if args.quick else 5,
+                                     layers=layers, batch=batch))
     hdr = f"{'N':>6} {'r':>4} {'full ms':>8} {'cate ms':>8} {'speedup':>8} {'mem ratio':>9} {'ideal':>6} {'|diff|':>8}"
     if on_gpu:
         hdr += f" {'pl full':>8} {'pl cate':>8} {'pl x':>6}"
@@ -163,6 +237,12 @@ def main(argv=None):
         if on_gpu:
             line += f" {r['full_pallas_ms']:>8.3f} {r['catekv_pallas_ms']:>8.3f} {r['speedup_pallas']:>6.2f}"
         print(line)
+    print("\n== memory, global (ragged) mask on the SmolLM2-135M shape (30 layers x 3 KV heads, r=0.4) ==")
+    gm = global_mask_memory()
+    print(f"{'N':>6} {'B':>5} {'full/hybrid':>11} {'ideal':>6} {'old padded layout':>17}")
+    for g in gm:
+        print(f"{g['context']:>6} {g['budget']:>5} {g['ratio']:>11.3f} {g['ideal_ratio']:>6.3f} "
+              f"{g['padded_layout_ratio']:>17.3f}")
     main_row = [r for r in rows if r["r"] == 0.4 and r["context"] == max(contexts)][0]
     r03 = [r for r in rows if r["r"] == 0.3 and r["context"] == max(contexts)][0]
     result = {
@@ -172,6 +252,7 @@ def main(argv=None):
         "catekv_decode_speedup": round(main_row["speedup"], 3),
         "catekv_memory_ratio_r0.3": round(r03["memory_ratio"], 4),
         "catekv_decode_speedup_r0.3": round(r03["speedup"], 3),
+        "decode_layers": layers, "decode_batch": batch, "global_mask_memory_smollm2": gm,
         "decode_rows": rows, "prefill_rows": prefill, "wall_s": round(time.time() - t0, 1),
     }
     if on_gpu:

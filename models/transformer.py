@@ -7,7 +7,8 @@ pure functional forward used by every loop.
 
 Layers are an ``nnx.List`` of blocks, or — with ``cfg.scan_layers`` — one block whose
 parameters carry a leading layer axis, applied with ``jax.lax.scan`` (compile time independent
-of depth). KV caches always carry a leading layer axis, so both layouts share one cache.
+of depth). KV caches always carry a leading layer axis, so both layouts share one cache (a
+cache may also hold layer-independent state, e.g. CateKV's packed head pools: ``split_shared``).
 ``cfg.remat`` wraps each block in ``jax.checkpoint`` (``full``: save nothing; ``dots``: save
 matmul outputs without batch dims).
 """
@@ -88,26 +89,39 @@ class Transformer(nnx.Module):
             run_block = jax.checkpoint(run_block, policy=_remat_policy(cfg.remat), static_argnums=(0,))
 
         x = embed_BTD
+        # A cache may hold state shared by all layers (no layer axis; CateKV's packed head pools):
+        # ``split_shared() -> (per-layer part, shared)``, ``join_shared(shared)``. It rides along
+        # with the activations through the layers; every other cache is sliced per layer as before.
+        shared = None
+        if cache is not None and hasattr(cache, "split_shared"):
+            cache, shared = cache.split_shared()
+        join = (lambda c, sh: c) if shared is None else (lambda c, sh: c.join_shared(sh))
+        split = (lambda c: (c, None)) if shared is None else (lambda c: c.split_shared())
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def body(x, xs):
+            def body(carry, xs):
+                x, shared = carry
                 layer_state, layer_cache = xs
-                x, layer_cache, aux = run_block(graphdef, layer_state, x, layer_cache)
-                return x, (layer_cache, aux)
+                x, layer_cache, aux = run_block(graphdef, layer_state, x, join(layer_cache, shared))
+                layer_cache, shared = split(layer_cache)
+                return (x, shared), (layer_cache, aux)
 
-            x, (cache, aux_L) = jax.lax.scan(body, x, (state, cache))
+            (x, shared), (cache, aux_L) = jax.lax.scan(body, (x, shared), (state, cache))
             aux = jax.tree.map(jnp.sum, aux_L)
         else:
             aux = {}
             for i, block in enumerate(self.layers):
-                layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
+                layer_cache = None if cache is None else join(jax.tree.map(lambda a: a[i], cache), shared)
                 graphdef, state = nnx.split(block)
                 x, layer_cache, block_aux = run_block(graphdef, state, x, layer_cache)
                 if cache is not None:
+                    layer_cache, shared = split(layer_cache)
                     cache = jax.tree.map(lambda a, n: a.at[i].set(n), cache, layer_cache)
                 for k, v in block_aux.items():
                     aux[k] = aux.get(k, 0.0) + v
+        if shared is not None:
+            cache = cache.join_shared(shared)
         x = self.final_norm(x)
         if return_hidden:
             return x, cache, aux

@@ -35,21 +35,38 @@ What this module implements, following the official code (names in brackets are 
   ``impl="pallas"``: the sparse part reads only its kept entries) and scatters the head outputs
   back into head order.
 
-Layout (a pytree whose leaves all carry the leading layer axis, like ``DenseKVCache``)::
+Layout — ragged per layer, packed across layers. The paper's mask is *global* (the top fraction
+r of all L×K heads), so layer l has its own a_l adaptive and c_l = K − a_l consistent heads. A
+layout with one [L, ...] array per part must give every layer max_l a_l full slots and max_l c_l
+sparse slots; on a model with few KV heads that padding eats the saving (SmolLM2, K = 3, global
+mask at r = 0.4: full÷hybrid 0.68 at 1088 tokens, i.e. *more* memory than the dense cache). So
+the KV lives in two **pools shared by all layers**, one slot per head, no padding::
 
-    k_full, v_full      [L, B, S, A, D]   adaptive heads, slot = position (dense convention)
-    k_sparse, v_sparse  [L, B, P, C, D]   consistent heads, kept entries compacted to the front
-    full_heads          [L, A] int32      which KV head each adaptive slot holds (K = unused slot)
-    sparse_heads        [L, C] int32
-    sparse_offset       [L, B] int32      sparse slot of the token at position p is p + offset
-    prompt_len          [L, B] int32      prompt length per row (-1: last prefill position + 1)
-    cv                  [L, B, K] f32     the CV of every head, measured at prefill
+    k_full, v_full      [B, S, NA, D]   NA = Σ_l a_l adaptive heads, slot = position (dense convention)
+    k_sparse, v_sparse  [B, P, NC, D]   NC = Σ_l c_l consistent heads, kept entries compacted to the front
+    full_heads          [L, A] int32    KV head of each slot of the layer's window (K = not this layer's)
+    sparse_heads        [L, C] int32    (A = max_l a_l, C = max_l c_l)
+    full_base           [L] int32       first pool slot of the layer's adaptive heads (static table)
+    sparse_base         [L] int32
+    sparse_offset       [L, B] int32    sparse slot of the token at position p is p + offset
+    prompt_len          [L, B] int32    prompt length per row (-1: last prefill position + 1)
+    cv                  [L, B, K] f32   the CV of every head, measured at prefill
 
-``A``/``C`` are the largest per-layer adaptive / consistent head counts of the mask (the model
-slices one layer at a time, so every layer has the same shapes): a mask with the same count in
-every layer wastes nothing; the paper's global mask has varying counts and this layout then pads
-(``memory_report`` gives the padded and the ideal bytes). ``calibrate_head_mask(per_layer=True)``
-balances the count per layer to ``round(r·K)`` (a deviation from static.py, off by default).
+KV bytes = 2·B·D·bytes·Σ_l (a_l·S + c_l·P) exactly (``memory_report``), plus the small tables.
+How a layer finds its heads: layer l reads a **fixed-size window** of A (resp. C) consecutive
+pool slots starting at its base (``lax.dynamic_slice``: static shapes, so the model's
+``lax.scan`` over layers and the Pallas decode kernel see the same shapes at every layer). Its
+own a_l heads are the first slots of the window; the rest belong to neighbouring layers — they
+are never written (writes scatter to the layer's own slots only) and their outputs are dropped
+when heads are scattered back. ``pool_offsets`` places layers in ascending order of their count
+so every window fits inside the pool without a tail pad. Why this design rather than per-head-slot
+budgets inside per-layer arrays: with a leading layer axis every layer's slice has the same
+size, so no per-layer arrangement can be ragged; the pools must be shared. They travel through
+the layers beside the activations (``split_shared`` / ``join_shared``; ``models.transformer``
+carries them in its scan carry; ``cache.layer(i)`` is one layer's view). Cost: each layer computes
+attention for A (resp. C) window slots, so decode *compute* is padded to the per-layer maximum
+even though *memory* is not (equal per-layer counts — e.g. ``calibrate_head_mask(per_layer=True)``
+or r·K whole — waste nothing).
 
 Calls: a call with T > 1 tokens is the prefill (positions 0..T-1, one call for the whole
 prompt, as the official code); T = 1 calls are decode steps. Rows of a batch may have different
@@ -303,6 +320,23 @@ def head_partition(mask_LK):
     return full, sparse
 
 
+def pool_offsets(counts_L) -> tuple[np.ndarray, int]:
+    """Static placement of each layer's heads in a packed pool: (base [L] int32, pool size).
+
+    Layers are placed in ascending order of their head count (stable), so the largest layer comes
+    last and a fixed-size window of ``max(counts)`` slots starting at any layer's base stays inside
+    the pool: a layer placed before the last one ends at most ``max`` slots before the end. The pool
+    therefore holds exactly ``sum(counts)`` slots (no tail pad)."""
+    counts = np.asarray(counts_L, np.int64)
+    base = np.zeros(len(counts), np.int32)
+    at = 0
+    for layer in np.argsort(counts, kind="stable"):
+        base[layer] = at
+        at += int(counts[layer])
+    assert len(counts) == 0 or int((base + counts.max()).max()) <= at  # windows stay in the pool
+    return base, at
+
+
 def _round_up(n: int, m: int = 128) -> int:
     return -(-int(n) // m) * m
 
@@ -310,24 +344,26 @@ def _round_up(n: int, m: int = 128) -> int:
 # ----------------------------------------------------------------------------- the cache
 @struct.dataclass
 class CateKVCache:
-    k_full: jax.Array
-    v_full: jax.Array
-    k_sparse: jax.Array
-    v_sparse: jax.Array
-    full_heads: jax.Array
-    sparse_heads: jax.Array
-    sparse_offset: jax.Array
-    prompt_len: jax.Array
-    cv: jax.Array
+    k_full: Optional[jax.Array]  # [B, S, NA, D] pool of every layer's adaptive heads (None: split off)
+    v_full: Optional[jax.Array]
+    k_sparse: Optional[jax.Array]  # [B, P, NC, D] pool of every layer's consistent heads
+    v_sparse: Optional[jax.Array]
+    full_heads: jax.Array  # [L, A] KV head of each adaptive window slot (K = not this layer's)
+    sparse_heads: jax.Array  # [L, C]
+    full_base: jax.Array  # [L] first pool slot of the layer's adaptive heads
+    sparse_base: jax.Array  # [L]
+    sparse_offset: jax.Array  # [L, B] sparse slot of the token at position p is p + offset
+    prompt_len: jax.Array  # [L, B]
+    cv: jax.Array  # [L, B, K]
     cfg: CateKVConfig = struct.field(pytree_node=False, default=CateKVConfig())
 
     @property
     def capacity(self) -> int:
-        return self.k_full.shape[-3]
+        return self.k_full.shape[1]
 
     @property
     def batch_size(self) -> int:
-        return self.k_full.shape[-4]
+        return self.k_full.shape[0]
 
     def nbytes(self) -> int:
         return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self)))
@@ -335,39 +371,85 @@ class CateKVCache:
     def kv_nbytes(self) -> int:
         return int(sum(a.size * a.dtype.itemsize for a in (self.k_full, self.v_full, self.k_sparse, self.v_sparse)))
 
-    # -- one layer (leaves without the leading L axis) --------------------------------------
+    # -- the pools are shared by all layers: they travel beside the per-layer leaves ----------
+    def split_shared(self):
+        """(per-layer part: every leaf has the leading layer axis, the pools; see ``models.transformer``)."""
+        pools = (self.k_full, self.v_full, self.k_sparse, self.v_sparse)
+        return self.replace(k_full=None, v_full=None, k_sparse=None, v_sparse=None), pools
+
+    def join_shared(self, pools):
+        k_full, v_full, k_sparse, v_sparse = pools
+        return self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse)
+
+    def layer(self, i):
+        """Layer ``i``'s view (per-layer leaves sliced, pools shared) — what the model hands each layer."""
+        per_layer, pools = self.split_shared()
+        return jax.tree.map(lambda a: a[i], per_layer).join_shared(pools)
+
+    def with_layer(self, i, layer_cache):
+        """Write back a layer view (its per-layer leaves and the updated pools)."""
+        per_layer, _ = self.split_shared()
+        layer_part, pools = layer_cache.split_shared()
+        return jax.tree.map(lambda a, n: a.at[i].set(n), per_layer, layer_part).join_shared(pools)
+
+    # -- one layer (a ``layer(i)`` view: per-layer leaves without the L axis) -----------------
     def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
                           interpret=None):
         if sliding_window is not None:
             raise ValueError("CateKVCache: sliding-window attention is not supported (CateKV targets "
                              f"full-attention models); got sliding_window={sliding_window}")
+        if self.full_heads.ndim != 1:
+            raise ValueError("CateKVCache.update_and_attend is called on one layer's view "
+                             f"(cache.layer(i)); got index tables of shape {self.full_heads.shape}")
         if q_BTHD.shape[1] > 1:
             return self._prefill(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret)
         return self._decode(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret)
 
+    @property
+    def _K(self) -> int:
+        return self.cv.shape[-1]
+
+    def _pool_slots(self, heads, base, pool):
+        """Pool slot of each window slot; slots that are not this layer's point past the pool (dropped)."""
+        n = heads.shape[0]
+        return jnp.where(heads < self._K, base + jnp.arange(n, dtype=jnp.int32), pool.shape[2])
+
+    def _window(self, pool, base, n):
+        """The layer's ``n`` (= per-layer maximum) consecutive pool slots from ``base``: its own heads
+        first, then neighbours' (their outputs are dropped by ``_merge``). Always inside the pool."""
+        return jax.lax.dynamic_slice_in_dim(pool, base, n, axis=2)
+
+    def views(self):
+        """(k_full, v_full [B, S, A, D], k_sparse, v_sparse [B, P, C, D]): this layer's windows."""
+        A, Cn = self.full_heads.shape[-1], self.sparse_heads.shape[-1]
+        return (self._window(self.k_full, self.full_base, A), self._window(self.v_full, self.full_base, A),
+                self._window(self.k_sparse, self.sparse_base, Cn), self._window(self.v_sparse, self.sparse_base, Cn))
+
+    def _scatter(self, pool, rows_B11, slots_BT1, heads, base, vals_BTnD):
+        pool_heads = self._pool_slots(heads, base, pool)[None, None, :]
+        return pool.at[rows_B11, slots_BT1, pool_heads].set(vals_BTnD.astype(pool.dtype), mode="drop")
+
     def _write(self, k_BTKD, v_BTKD, positions_BT, sparse_offset_B):
         B = k_BTKD.shape[0]
-        rows = jnp.arange(B)[:, None]
+        rows = jnp.arange(B)[:, None, None]
         take = functools.partial(jnp.take, axis=2, mode="fill", fill_value=0)
-        dt = self.k_full.dtype
-        k_full = self.k_full.at[rows, positions_BT].set(take(k_BTKD, self.full_heads).astype(dt), mode="drop")
-        v_full = self.v_full.at[rows, positions_BT].set(take(v_BTKD, self.full_heads).astype(dt), mode="drop")
-        slots = positions_BT + sparse_offset_B[:, None]
-        k_sparse = self.k_sparse.at[rows, slots].set(take(k_BTKD, self.sparse_heads).astype(dt), mode="drop")
-        v_sparse = self.v_sparse.at[rows, slots].set(take(v_BTKD, self.sparse_heads).astype(dt), mode="drop")
-        return k_full, v_full, k_sparse, v_sparse
+        pos = positions_BT[:, :, None]
+        slots = (positions_BT + sparse_offset_B[:, None])[:, :, None]
+        fh, sh = self.full_heads, self.sparse_heads
+        return (self._scatter(self.k_full, rows, pos, fh, self.full_base, take(k_BTKD, fh)),
+                self._scatter(self.v_full, rows, pos, fh, self.full_base, take(v_BTKD, fh)),
+                self._scatter(self.k_sparse, rows, slots, sh, self.sparse_base, take(k_BTKD, sh)),
+                self._scatter(self.v_sparse, rows, slots, sh, self.sparse_base, take(v_BTKD, sh)))
 
     def _split_q(self, q_BTHD):
         B, T, H, D = q_BTHD.shape
-        K = self.cv.shape[-1]
-        q = q_BTHD.reshape(B, T, K, H // K, D)
+        q = q_BTHD.reshape(B, T, self._K, H // self._K, D)
         take = functools.partial(jnp.take, axis=2, mode="fill", fill_value=0)
         return take(q, self.full_heads), take(q, self.sparse_heads)  # [B, T, A|C, G, D]
 
     def _merge(self, o_full, o_sparse, shape):
         B, T, H, D = shape
-        K = self.cv.shape[-1]
-        out = jnp.zeros((B, T, K, H // K, D), jnp.float32)
+        out = jnp.zeros((B, T, self._K, H // self._K, D), jnp.float32)
         out = out.at[:, :, self.full_heads].set(o_full.astype(jnp.float32), mode="drop")
         out = out.at[:, :, self.sparse_heads].set(o_sparse.astype(jnp.float32), mode="drop")
         return out.reshape(B, T, H, D)
@@ -383,7 +465,8 @@ class CateKVCache:
         scattered back into head order. ``impl="pallas"`` with T == 1 runs ``decode_attention``."""
         B, T, H, D = q_BTHD.shape
         q_full, q_sparse = self._split_q(q_BTHD)
-        G = H // self.cv.shape[-1]
+        G = H // self._K
+        k_full, v_full, k_sparse, v_sparse = self.views()
         if impl == "pallas" and T == 1:
             from pallasite.ops.attention.decode import decode_attention, dense_source
 
@@ -394,8 +477,8 @@ class CateKVCache:
                     return jnp.zeros(qp.shape, jnp.float32)
                 return decode_attention(qp[:, 0], dense_source(kc, vc), kv_len, interpret=interpret)[:, None]
 
-            o_full = part(q_full, self.k_full, self.v_full, pos + 1)
-            o_sparse = part(q_sparse, self.k_sparse, self.v_sparse, pos + self.sparse_offset + 1)
+            o_full = part(q_full, k_full, v_full, pos + 1)
+            o_sparse = part(q_sparse, k_sparse, v_sparse, pos + self.sparse_offset + 1)
         else:
             def part(qp, kc, vc, k_positions):
                 n = qp.shape[2]
@@ -405,10 +488,10 @@ class CateKVCache:
                               q_positions_BT=positions_BT, k_positions_BS=k_positions, causal=True, impl="ref")
                 return o.reshape(B, T, n, G, D)
 
-            S, P = self.k_full.shape[1], self.k_sparse.shape[1]
-            o_full = part(q_full, self.k_full, self.v_full, jnp.broadcast_to(jnp.arange(S), (B, S)))
+            S, P = k_full.shape[1], k_sparse.shape[1]
+            o_full = part(q_full, k_full, v_full, jnp.broadcast_to(jnp.arange(S), (B, S)))
             # sparse slot s holds "virtual position" s - offset: prefill entries < N, appended ones = p
-            o_sparse = part(q_sparse, self.k_sparse, self.v_sparse, jnp.arange(P)[None, :] - self.sparse_offset[:, None])
+            o_sparse = part(q_sparse, k_sparse, v_sparse, jnp.arange(P)[None, :] - self.sparse_offset[:, None])
         return self._merge(o_full, o_sparse, q_BTHD.shape).astype(q_BTHD.dtype)
 
     def _prefill(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret):
@@ -425,7 +508,7 @@ class CateKVCache:
 
     def fill(self, q_last_BQHD, k_BTKD, v_BTKD, lengths_B):
         """Classify + select from one layer's prompt K/V (positions 0..T-1) and its last queries;
-        returns the filled cache. (The prefill's attention itself is not part of this.)"""
+        returns the filled layer view. (The prefill's attention itself is not part of this.)"""
         cfg = self.cfg
         B, T = k_BTKD.shape[:2]
         lengths = lengths_B.astype(jnp.int32)
@@ -444,21 +527,24 @@ class CateKVCache:
         def gather(x):  # -> [B, Pk, C, D], zeros in unused slots
             return jnp.where(filler, 0, jnp.take_along_axis(x, jnp.swapaxes(idx_BCP, 1, 2)[..., None], axis=1))
 
-        k_sparse = self.k_sparse.at[:, :Pk].set(gather(k_sp).astype(self.k_sparse.dtype))
-        v_sparse = self.v_sparse.at[:, :Pk].set(gather(v_sp).astype(self.v_sparse.dtype))
-        rows = jnp.arange(B)[:, None]
+        rows = jnp.arange(B)[:, None, None]
+        kept_slots = jnp.broadcast_to(jnp.arange(Pk, dtype=jnp.int32), (B, Pk))[:, :, None]
+        sh, fh = self.sparse_heads, self.full_heads
+        k_sparse = self._scatter(self.k_sparse, rows, kept_slots, sh, self.sparse_base, gather(k_sp))
+        v_sparse = self._scatter(self.v_sparse, rows, kept_slots, sh, self.sparse_base, gather(v_sp))
         take_h = functools.partial(jnp.take, axis=2, mode="fill", fill_value=0)
-        k_full = self.k_full.at[rows, positions_BT].set(take_h(k_BTKD, self.full_heads).astype(self.k_full.dtype), mode="drop")
-        v_full = self.v_full.at[rows, positions_BT].set(take_h(v_BTKD, self.full_heads).astype(self.v_full.dtype), mode="drop")
+        pos = positions_BT[:, :, None]
+        k_full = self._scatter(self.k_full, rows, pos, fh, self.full_base, take_h(k_BTKD, fh))
+        v_full = self._scatter(self.v_full, rows, pos, fh, self.full_base, take_h(v_BTKD, fh))
         return self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse,
                             sparse_offset=count_B - lengths, cv=cv.astype(jnp.float32))
 
 
 def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *, catekv_cfg: CateKVConfig = CateKVConfig(),
                       max_new_tokens: Optional[int] = None, prompt_lengths=None, dtype=None) -> CateKVCache:
-    """Empty hybrid cache: full part of ``max_len`` slots, sparse part of
-    ``round_up(kept_max + max_new_tokens, 128)`` slots (default ``max_new_tokens``: ``max_len``
-    minus the budget, at least 128). Prefill fills it (a T > 1 call)."""
+    """Empty hybrid cache: an adaptive pool of ``max_len`` slots for the mask's Σ_l a_l heads and a
+    consistent pool of ``round_up(kept_max + max_new_tokens, 128)`` slots for its Σ_l c_l heads
+    (default ``max_new_tokens``: ``max_len`` minus the budget, at least 128). Prefill fills it."""
     mask = np.asarray(head_mask_LK, bool)
     L, K, D = model_cfg.n_layers, model_cfg.n_kv_heads, model_cfg.dh
     if mask.shape != (L, K):
@@ -468,6 +554,8 @@ def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
         raise ValueError("init_catekv_cache: CateKV does not support sliding-window models")
     dtype = jnp.dtype(dtype or model_cfg.dtype)
     full, sparse = head_partition(mask)
+    full_base, n_full = pool_offsets(mask.sum(1))
+    sparse_base, n_sparse = pool_offsets((~mask).sum(1))
     if max_new_tokens is None:
         max_new_tokens = max(max_len - catekv_cfg.budget, 128)
     P = _round_up(catekv_cfg.kept_max + max_new_tokens)
@@ -476,10 +564,12 @@ def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
     lens = jnp.full((L, B), -1, jnp.int32) if prompt_lengths is None else jnp.broadcast_to(
         jnp.asarray(prompt_lengths, jnp.int32), (L, B))
     return CateKVCache(
-        k_full=zeros((L, B, max_len, full.shape[1], D)), v_full=zeros((L, B, max_len, full.shape[1], D)),
-        k_sparse=zeros((L, B, P, sparse.shape[1], D)), v_sparse=zeros((L, B, P, sparse.shape[1], D)),
-        full_heads=jnp.asarray(full), sparse_heads=jnp.asarray(sparse), sparse_offset=jnp.zeros((L, B), jnp.int32),
-        prompt_len=lens, cv=jnp.zeros((L, B, K), jnp.float32), cfg=catekv_cfg)
+        k_full=zeros((B, max_len, n_full, D)), v_full=zeros((B, max_len, n_full, D)),
+        k_sparse=zeros((B, P, n_sparse, D)), v_sparse=zeros((B, P, n_sparse, D)),
+        full_heads=jnp.asarray(full), sparse_heads=jnp.asarray(sparse),
+        full_base=jnp.asarray(full_base), sparse_base=jnp.asarray(sparse_base),
+        sparse_offset=jnp.zeros((L, B), jnp.int32), prompt_len=lens, cv=jnp.zeros((L, B, K), jnp.float32),
+        cfg=catekv_cfg)
 
 
 def catekv_cache_factory(head_mask_LK, catekv_cfg: CateKVConfig = CateKVConfig(), max_new_tokens: Optional[int] = None):
@@ -497,11 +587,13 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
                   head_mask_LK=None) -> dict:
     """Bytes of the full cache vs the hybrid cache (this layout) vs the paper's ideal.
 
-    full  = 2·L·B·K·D·(N+new)·bytes
-    ideal = full · (r + (1−r)·B_budget/N)   (the paper's 1/(r + (1−r)B/N) ratio)
-    layout: A·(N+new) + C·round_up(kept_max + new, 128) token rows per layer (A, C = per-layer
-    maxima of the mask; a mask with r·K adaptive heads in every layer when none is given) plus
-    the int32 index tables."""
+    full   = 2·L·B·K·D·(N+new)·bytes
+    ideal  = full · (r + (1−r)·B_budget/N)   (the paper's 1/(r + (1−r)B/N) ratio)
+    layout = 2·B·D·bytes·Σ_l (a_l·(N+new) + c_l·P), P = round_up(kept_max + new, 128)
+             (the packed pools: exactly one slot per head, no per-layer padding)
+             + the int32 tables (head index tables [L, max a_l] / [L, max c_l], two bases [L],
+             sparse_offset and prompt_len [L, B], cv [L, B, K] as float32).
+    ``head_mask_LK`` defaults to r·K adaptive heads in every layer."""
     L, K, D = n_layers, n_kv_heads, head_dim
     if head_mask_LK is None:
         a = adaptive_ratio * K
@@ -512,23 +604,26 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
         mask[:, :int(round(a))] = True
     else:
         mask = np.asarray(head_mask_LK, bool)
+        if mask.shape != (L, K):
+            raise ValueError(f"memory_report: head mask shape {mask.shape} != (n_layers, n_kv_heads) = {(L, K)}")
     full_idx, sparse_idx = head_partition(mask)
-    A, Cn = full_idx.shape[1], sparse_idx.shape[1]
+    n_adaptive, n_consistent = int(mask.sum()), int((~mask).sum())
     S = context + new_tokens
     P = _round_up(catekv_cfg.kept_max + new_tokens)
     per_token = 2 * D * dtype_bytes * batch
     full_bytes = L * K * S * per_token
-    hybrid_kv = L * (A * S + Cn * P) * per_token
-    index_bytes = 4 * (full_idx.size + sparse_idx.size + 2 * L * batch) + 4 * L * batch * K
+    hybrid_kv = (n_adaptive * S + n_consistent * P) * per_token
+    index_bytes = 4 * (full_idx.size + sparse_idx.size + 2 * L + 2 * L * batch) + 4 * L * batch * K
     r = float(mask.mean())
     ideal_ratio = 1.0 / (r + (1 - r) * catekv_cfg.budget / context)
     hybrid = hybrid_kv + index_bytes
     return {"context": context, "adaptive_ratio": r, "budget": catekv_cfg.budget, "full_bytes": full_bytes,
-            "hybrid_bytes": hybrid, "index_bytes": index_bytes, "ratio": full_bytes / hybrid,
-            "ideal_ratio": ideal_ratio, "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
-            "adaptive_slots_per_layer": A, "consistent_slots_per_layer": Cn}
+            "hybrid_bytes": hybrid, "hybrid_kv_bytes": hybrid_kv, "index_bytes": index_bytes,
+            "ratio": full_bytes / hybrid, "ideal_ratio": ideal_ratio, "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
+            "adaptive_heads": n_adaptive, "consistent_heads": n_consistent,
+            "adaptive_window_per_layer": full_idx.shape[1], "consistent_window_per_layer": sparse_idx.shape[1]}
 
 
 __all__ = ["CateKVConfig", "CateKVCache", "chunk_geometry", "middle_attention", "classify_heads", "chunk_scores",
-           "kept_indices", "calibrate_head_mask", "save_head_mask", "load_head_mask", "head_partition",
+           "kept_indices", "calibrate_head_mask", "save_head_mask", "load_head_mask", "head_partition", "pool_offsets",
            "init_catekv_cache", "catekv_cache_factory", "memory_report"]

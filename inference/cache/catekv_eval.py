@@ -21,6 +21,7 @@ with RULER variable tracking.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import time
@@ -99,12 +100,16 @@ def prefill(graphdef, state, cfg, ids: list[int], *, capacity: int, chunk: int, 
 def build_hybrid(cfg, dense: DenseKVCache, q_last_LBQHD, n_prompt: int, mask_LK, ccfg: CateKVConfig, new_tokens: int):
     """CateKV cache for every layer from a dense prefill (per-layer ``CateKVCache.fill``)."""
     cache = init_catekv_cache(cfg, 1, dense.capacity, mask_LK, catekv_cfg=ccfg, max_new_tokens=new_tokens)
-    fill = jax.jit(lambda c, q, k, v: c.fill(q, k, v, jnp.array([n_prompt])))
-    layers = []
     for i in range(cfg.n_layers):
-        layer = jax.tree.map(lambda a: a[i], cache)
-        layers.append(fill(layer, q_last_LBQHD[i], dense.k[i, :, :n_prompt], dense.v[i, :, :n_prompt]))
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+        cache = _fill_layer(cache, jnp.int32(i), q_last_LBQHD[i], dense.k[i, :, :n_prompt], dense.v[i, :, :n_prompt])
+    return cache
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _fill_layer(cache, i, q_last_BQHD, k_BTKD, v_BTKD):
+    """Layer i of the hybrid cache from its prompt K/V (the pools are shared by all layers)."""
+    lengths = jnp.full((k_BTKD.shape[0],), k_BTKD.shape[1], jnp.int32)
+    return cache.with_layer(i, cache.layer(i).fill(q_last_BQHD, k_BTKD, v_BTKD, lengths))
 
 
 _STEP_CACHE: dict = {}

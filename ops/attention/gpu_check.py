@@ -107,7 +107,7 @@ def _checks() -> list:
     ccfg = CateKVConfig(budget=2048 if not on_cpu else 64 + 256 + 64)
     mask = np.zeros((1, 10), bool)
     mask[0, :4] = True
-    cache = jax.tree.map(lambda a: a[0], init_catekv_cache(cfg, 1, N + 128, mask, catekv_cfg=ccfg, max_new_tokens=128))
+    cache = init_catekv_cache(cfg, 1, N + 128, mask, catekv_cfg=ccfg, max_new_tokens=128).layer(0)
     k, v = rnd((1, N, 10, 128), jnp.float32, 14), rnd((1, N, 10, 128), jnp.float32, 15)
     cache = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.array([N])))(cache, rnd((1, 64, 20, 128), jnp.float32, 16), k, v)
     q, pos = rnd((1, 1, 20, 128), jnp.float32, 17), jnp.array([[N - 1]])

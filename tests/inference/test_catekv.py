@@ -14,7 +14,7 @@ from flax import nnx
 from pallasite.inference.cache import init_dense_cache
 from pallasite.inference.cache.catekv import (
     CateKVConfig, calibrate_head_mask, chunk_geometry, classify_heads, init_catekv_cache, kept_indices,
-    load_head_mask, memory_report, middle_attention, save_head_mask,
+    load_head_mask, memory_report, middle_attention, pool_offsets, save_head_mask,
 )
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
@@ -63,7 +63,8 @@ def test_exact_when_every_head_adaptive_or_budget_covers_context(model):
     none_adaptive = np.zeros_like(all_adaptive)
     big_budget = CateKVConfig(budget=8 + 16 + 4 * 30, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8,
                               tail_tokens=8)  # B = 144 >= N = 100
-    for mask, ccfg in ((all_adaptive, SMALL), (none_adaptive, big_budget)):
+    ragged = np.array([[True, True], [False, False]])  # layer 0 all adaptive, layer 1 all consistent
+    for mask, ccfg in ((all_adaptive, SMALL), (none_adaptive, big_budget), (ragged, big_budget)):
         cache = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=ccfg, max_new_tokens=N_NEW)
         logits, ids, _ = _greedy(model, cache, tokens)
         assert float(jnp.max(jnp.abs(logits - ref_logits))) <= 1e-5
@@ -74,10 +75,36 @@ def test_exact_when_every_head_adaptive_or_budget_covers_context(model):
     assert float(jnp.max(jnp.abs(logits[:, 1:] - ref_logits[:, 1:]))) > 1e-3
 
 
+def test_scanned_layers_carry_the_shared_pools():
+    """With ``scan_layers`` the pools ride in the scan carry: a ragged mask with B >= N is exact, and
+    a real sparse ragged cache gives the same logits as the unscanned (per-layer loop) model."""
+    scanned_cfg = CFG.replace(scan_layers=True)
+    gd_s, st_s = nnx.split(init_model(scanned_cfg, seed=2))
+    tokens = _tokens(seed=4)
+    ragged = np.array([[False, True], [False, False]])
+    big_budget = CateKVConfig(budget=8 + 16 + 4 * 30, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8,
+                              tail_tokens=8)
+    ref_logits, ref_ids, _ = _greedy((gd_s, st_s), init_dense_cache(CFG, 2, 128), tokens)
+    logits, ids, _ = _greedy((gd_s, st_s), init_catekv_cache(CFG, 2, 128, ragged, catekv_cfg=big_budget,
+                                                             max_new_tokens=N_NEW), tokens)
+    assert float(jnp.max(jnp.abs(logits - ref_logits))) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    # unscanned copy of the same weights: per-layer slices of the stacked parameters
+    gd_u, st_u = nnx.split(init_model(CFG, seed=2))
+    pure = nnx.to_pure_dict(st_s)
+    pure["layers"] = {i: jax.tree.map(lambda a: a[i], pure["layers"]) for i in range(CFG.n_layers)}
+    nnx.replace_by_pure_dict(st_u, pure)
+    sparse = dict(catekv_cfg=SMALL, max_new_tokens=N_NEW)
+    out_s = _greedy((gd_s, st_s), init_catekv_cache(CFG, 2, 128, ragged, **sparse), tokens)[0]
+    out_u = _greedy((gd_u, st_u), init_catekv_cache(CFG, 2, 128, ragged, **sparse), tokens)[0]
+    np.testing.assert_allclose(np.asarray(out_s), np.asarray(out_u), atol=1e-5)
+    assert float(jnp.max(jnp.abs(out_s[:, 1:] - ref_logits[:, 1:]))) > 1e-3  # and it really is sparse
+
+
 @pytest.mark.slow  # interpret-mode Pallas inside a 2-layer model: ~30 s of compiles
 def test_pallas_decode_path_equals_reference_path(model):
     tokens = _tokens(seed=3)
-    mask = np.array([[True, False], [False, True]])
+    mask = np.array([[True, True], [False, True]])  # ragged: 2 + 1 adaptive, 0 + 1 consistent heads
     out = {}
     for impl in ("ref", "pallas"):
         cache = init_catekv_cache(CFG, 2, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
@@ -124,11 +151,12 @@ def test_selection_invariants_and_sizes(model):
     chunk_end, mid_end, n_mid = (int(x) for x in chunk_geometry(jnp.array(N), SMALL))
     assert chunk_end == C * (N // C - SMALL.tail_tokens // C) and N - chunk_end >= SMALL.tail_tokens
     for layer in range(CFG.n_layers):
-        c = jax.tree.map(lambda a: a[layer], cache)
+        c = cache.layer(layer)
+        k_full, _, k_sparse, _ = c.views()
         count = int(c.sparse_offset[0]) + N
         assert count == SMALL.budget + (N - chunk_end)  # B + the unchunked tail
         h = int(c.sparse_heads[0])
-        kept_k = np.asarray(c.k_sparse[0, :count, 0])
+        kept_k = np.asarray(k_sparse[0, :count, 0])
         full_k = np.asarray(dense.k[layer, 0, :N, h])
         # recover which positions were kept by matching rows of K (random floats: unique)
         pos = np.array([int(np.argmin(np.abs(full_k - row).sum(-1))) for row in kept_k])
@@ -143,17 +171,19 @@ def test_selection_invariants_and_sizes(model):
         assert len(starts) == SMALL.select_chunks
         # the adaptive head keeps everything, slot = position
         a = int(c.full_heads[0])
-        np.testing.assert_allclose(np.asarray(c.k_full[0, :N, 0]), np.asarray(dense.k[layer, 0, :N, a]), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(k_full[0, :N, 0]), np.asarray(dense.k[layer, 0, :N, a]), atol=1e-6)
     # decode appends to both parts
     new_tok = jnp.array([[3]])
     cache2, dense2 = fwd(new_tok, jnp.array([[N]]), cache), fwd(new_tok, jnp.array([[N]]), dense)
-    c = jax.tree.map(lambda a: a[0], cache2)  # layer 0: same input as the dense run -> same new K
+    c = cache2.layer(0)  # layer 0: same input as the dense run -> same new K
+    k_full, _, k_sparse, _ = c.views()
     slot = N + int(c.sparse_offset[0])
-    np.testing.assert_allclose(np.asarray(c.k_sparse[0, slot, 0]),
+    np.testing.assert_allclose(np.asarray(k_sparse[0, slot, 0]),
                                np.asarray(dense2.k[0, 0, N, int(c.sparse_heads[0])]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(c.k_full[0, N, 0]), np.asarray(dense2.k[0, 0, N, int(c.full_heads[0])]),
+    np.testing.assert_allclose(np.asarray(k_full[0, N, 0]), np.asarray(dense2.k[0, 0, N, int(c.full_heads[0])]),
                                atol=1e-6)
-    assert float(jnp.abs(cache2.k_sparse[1, 0, slot]).sum()) > 0 and float(jnp.abs(cache.k_sparse[1, 0, slot]).sum()) == 0
+    after, before = cache2.layer(1).views()[2], cache.layer(1).views()[2]
+    assert float(jnp.abs(after[0, slot, 0]).sum()) > 0 and float(jnp.abs(before[0, slot, 0]).sum()) == 0
     # array sizes match the memory formula
     rep = memory_report(n_layers=CFG.n_layers, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.dh, context=100,
                         new_tokens=28, adaptive_ratio=0.5, catekv_cfg=SMALL, dtype_bytes=4, head_mask_LK=mask)
@@ -227,7 +257,7 @@ def test_cv_separates_planted_heads_and_mask_beats_random_and_inverted():
 
     def err(m):
         cache = init_catekv_cache(cfg1, 1, 256, m[None], catekv_cfg=SMALL, max_new_tokens=8)
-        out = hybrid_out(jax.tree.map(lambda a: a[0], cache))
+        out = hybrid_out(cache.layer(0))
         return float(jnp.mean(jnp.abs(out[:, 0] - full_out)))
 
     rng = np.random.default_rng(1)
@@ -276,14 +306,58 @@ def test_memory_report_matches_ideal_ratio_at_32k():
         assert abs(rep["ideal_ratio"] - target) < 1e-9
         assert abs(rep["ratio"] / target - 1) < 0.05, rep
         assert rep["index_bytes"] < 1e-5 * rep["hybrid_bytes"]
-    # a mask with uneven per-layer counts pads to the per-layer maximum (documented cost)
+    # a mask with uneven per-layer counts: the pools hold exactly one slot per head
     uneven = np.zeros((2, 8), bool)
     uneven[0, :6] = True
     uneven[1, :1] = True
     rep = memory_report(n_layers=2, n_kv_heads=8, head_dim=64, context=32768, adaptive_ratio=0.4,
                         head_mask_LK=uneven)
-    assert rep["adaptive_slots_per_layer"] == 6 and rep["consistent_slots_per_layer"] == 7
-    assert rep["ratio"] < rep["ideal_ratio"]
+    assert rep["adaptive_heads"] == 7 and rep["consistent_heads"] == 9
+    P = -(-CateKVConfig().kept_max // 128) * 128  # no new tokens
+    assert rep["hybrid_kv_bytes"] == 2 * 64 * 2 * (7 * 32768 + 9 * P)
+
+
+def _padded_layout_bytes(mask, S, P, D, dtype_bytes=2):
+    """KV bytes of the previous layout (every layer padded to the per-layer maxima)."""
+    return mask.shape[0] * (mask.sum(1).max() * S + (~mask).sum(1).max() * P) * 2 * D * dtype_bytes
+
+
+def test_global_mask_on_smollm2_shape_saves_memory():
+    """SmolLM2-135M shape (30 layers × 3 KV heads, head dim 64) with the paper's global mask: the
+    ragged pools beat the dense cache and sit within a few % of the ideal ratio; the per-layer
+    padded layout (max counts in every layer) would cost more than the dense cache."""
+    rng = np.random.default_rng(0)
+    mask = calibrate_head_mask(rng.random((4, 30, 3)) + np.linspace(0, 1, 30)[None, :, None], 0.4)
+    assert mask.sum() == 36 and mask.sum(1).max() == 3 and (~mask).sum(1).max() == 3  # really ragged
+    for n, budget in ((1088, 384), (2048, 512), (8192, 2048)):
+        ccfg = CateKVConfig(budget=budget)
+        rep = memory_report(n_layers=30, n_kv_heads=3, head_dim=64, context=n, adaptive_ratio=0.4, catekv_cfg=ccfg,
+                            head_mask_LK=mask)
+        P = -(-ccfg.kept_max // 128) * 128
+        assert rep["ratio"] > 1.0, rep
+        assert _padded_layout_bytes(mask, n, P, 64) > rep["full_bytes"]  # the old layout: worse than dense
+        # the only gap to the ideal is the unchunked tail + the 128-slot rounding of the sparse part
+        assert rep["ratio_vs_ideal"] > (0.97 if n == 8192 else 0.85), rep
+
+
+def test_cache_bytes_equal_formula_for_ragged_mask():
+    cfg = CFG.replace(n_layers=5, n_kv_heads=4, n_heads=8)
+    mask = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]], bool)
+    cache = jax.eval_shape(lambda: init_catekv_cache(cfg, 2, 300, mask, catekv_cfg=SMALL, max_new_tokens=20))
+    nbytes = lambda leaves: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in leaves)
+    rep = memory_report(n_layers=5, n_kv_heads=4, head_dim=cfg.dh, context=280, new_tokens=20, adaptive_ratio=0.4,
+                        catekv_cfg=SMALL, batch=2, dtype_bytes=4, head_mask_LK=mask)
+    P = -(-(SMALL.kept_max + 20) // 128) * 128
+    assert cache.k_full.shape == (2, 300, 9, cfg.dh) and cache.k_sparse.shape == (2, P, 11, cfg.dh)
+    assert nbytes([cache.k_full, cache.v_full, cache.k_sparse, cache.v_sparse]) == rep["hybrid_kv_bytes"] \
+        == 2 * 2 * cfg.dh * 4 * (9 * 300 + 11 * P)
+    assert nbytes(jax.tree.leaves(cache)) == rep["hybrid_bytes"]
+    # every layer's fixed-size window stays inside its pool; the layers' own slots do not overlap
+    for counts in (mask.sum(1), (~mask).sum(1)):
+        base, total = pool_offsets(counts)
+        assert total == counts.sum() and (base + counts.max() <= total).all()
+        spans = sorted((b, b + c) for b, c in zip(base, counts) if c)
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))
 
 
 def test_engine_cache_factory_decodes_like_forward(model):
