@@ -177,6 +177,8 @@ def prefill(graphdef, state, cache, tokens_BT, lengths_B, key, stop_tokens_S, pa
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     model = nnx.merge(graphdef, state)
+    if hasattr(cache, "with_prompt_lengths"):  # caches that select from the prompt (CateKV) need each row's length
+        cache = cache.with_prompt_lengths(lengths_B)
     h_BTD, cache, _ = model(tokens_BT, positions_BT, cache=cache, return_hidden=True)
     h_last_B1D = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)
     logits_BV = _lm_head(model, h_last_B1D)[:, 0]

@@ -392,6 +392,11 @@ class CateKVCache:
         layer_part, pools = layer_cache.split_shared()
         return jax.tree.map(lambda a, n: a.at[i].set(n), per_layer, layer_part).join_shared(pools)
 
+    def with_prompt_lengths(self, lengths_B):
+        """The cache with each row's prompt length (right-padded prompts: the prefill takes the last
+        queries and selects the kept entries per row). ``inference.engine`` calls this before prefill."""
+        return self.replace(prompt_len=jnp.broadcast_to(jnp.asarray(lengths_B, jnp.int32), self.prompt_len.shape))
+
     # -- one layer (a ``layer(i)`` view: per-layer leaves without the L axis) -----------------
     def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
                           interpret=None):
@@ -573,8 +578,9 @@ def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
 
 
 def catekv_cache_factory(head_mask_LK, catekv_cfg: CateKVConfig = CateKVConfig(), max_new_tokens: Optional[int] = None):
-    """``cache_factory(cfg, batch, max_len)`` for ``inference.engine`` (rows share the prompt
-    length: the engine does not pass per-row lengths to the cache)."""
+    """``cache_factory(cfg, batch, max_len)`` for ``inference.engine``. Prompts may have any
+    lengths: the engine right-pads them and hands the cache each row's length
+    (``with_prompt_lengths``) before the prefill."""
     def factory(cfg, batch_size, max_len):
         return init_catekv_cache(cfg, batch_size, max_len, head_mask_LK, catekv_cfg=catekv_cfg,
                                  max_new_tokens=max_new_tokens)

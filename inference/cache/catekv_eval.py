@@ -43,19 +43,36 @@ HEAD = "There is an important piece of information hidden inside a lot of irrele
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int]:
-    """Exactly ``n_tokens`` ids: head, filler with the needle at ``depth`` (0..1), question."""
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int, task: str = "passkey") -> list[int]:
+    """Exactly ``n_tokens`` ids: head, filler with the needle at ``depth`` (0..1), question.
+
+    ``task="passkey"``: the needle is a sentence, the question asks for the key (SmolLM2-135M
+    answers it at ~1k tokens, fails at 2k). ``task="copy"``: the needle is a marked line
+    ``### SECRET LINE: <key> ###`` and the prompt ends by starting that line again — an
+    exact-copy / induction lookup that the 135M model solves at 2k–8k with the full cache."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
-    head, question = enc(HEAD), enc(QUESTION)
-    needle = enc(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    if task not in TASKS:
+        raise ValueError(f"passkey_prompt: task={task!r}; expected one of {sorted(TASKS)}")
+    head_s, needle_s, question_s = TASKS[task]
+    head, question = enc(head_s), enc(question_s)
+    needle = enc(needle_s.format(key=key))
     filler = enc(FILLER * 8)
     n_fill = n_tokens - len(head) - len(question) - len(needle)
+    if n_fill < 0:
+        raise ValueError(f"passkey_prompt: {n_tokens} tokens cannot hold the {task} prompt's fixed parts")
     reps = -(-n_fill // len(filler))
     body = (filler * reps)[:n_fill]
     at = int(depth * n_fill)
     ids = head + body[:at] + needle + body[at:] + question
     assert len(ids) == n_tokens, (len(ids), n_tokens)
     return ids
+
+
+TASKS = {  # head, needle (with {key}), question
+    "passkey": (HEAD, " The pass key is {key}. Remember it. {key} is the pass key. ", QUESTION),
+    "copy": ("Read the text and remember the secret line.\n", "\n### SECRET LINE: {key} ###\n",
+             "\nThe text repeats the secret line here:\n### SECRET LINE:"),
+}
 
 
 @struct.dataclass
@@ -146,7 +163,7 @@ def streaming_budget(n: int, r: float, ccfg: CateKVConfig) -> int:
 
 
 def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1024, r: float = 0.4, chunk: int = 1008,
-        n_new: int = 8, seed: int = 0, model=None, log=print) -> dict:
+        n_new: int = 8, seed: int = 0, model=None, log=print, task: str = "passkey") -> dict:
     from pallasite.models import gguf
     from flax import nnx
 
@@ -173,7 +190,7 @@ def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1
     cvs = []
     for i in range(n_calib):
         key, depth = sample(i)
-        dense, q_last, _ = prefill(graphdef, state, cfg, passkey_prompt(tok, context, depth, key), capacity=capacity,
+        dense, q_last, _ = prefill(graphdef, state, cfg, passkey_prompt(tok, context, depth, key, task), capacity=capacity,
                                    chunk=chunk)
         cvs.append(cv_of_prompt(cfg, dense, q_last, context, ccfg))
         log(f"calib {i}: {time.time() - t0:.0f}s")
@@ -191,7 +208,7 @@ def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1
     answers = []
     for i in range(n_eval):
         key, depth = sample(n_calib + i)
-        ids = passkey_prompt(tok, context, depth, key)
+        ids = passkey_prompt(tok, context, depth, key, task)
         dense, q_last, logits = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
         row = {"key": key, "depth": round(depth, 3)}
         outs = {"full": greedy(graphdef, state, dense, logits, context, n_new)}
@@ -210,7 +227,7 @@ def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1
                                adaptive_ratio=float(m.mean()), catekv_cfg=c, head_mask_LK=m)
            for name, (m, c) in variants.items()}
     result = {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "task": "pass-key retrieval", "context": context,
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "task": task, "context": context,
         "budget": budget, "r": r, "n_eval": n_eval, "n_calib": n_calib,
         "accuracy": {k: v / n_eval for k, v in hits.items()},
         "ideal_memory_ratio": {k: round(v["ideal_ratio"], 3) for k, v in mem.items()},
@@ -230,8 +247,14 @@ def main(argv: Optional[list] = None):
     p.add_argument("--r", type=float, default=0.4)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk; context - 64 must be a multiple")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--task", default="passkey", choices=sorted(TASKS))
+    p.add_argument("--out", default=None, help="write the full result (answers included) as JSON here")
     a = p.parse_args(argv)
-    res = run(n_eval=a.n_eval, n_calib=a.n_calib, context=a.context, budget=a.budget, r=a.r, chunk=a.chunk, seed=a.seed)
+    res = run(n_eval=a.n_eval, n_calib=a.n_calib, context=a.context, budget=a.budget, r=a.r, chunk=a.chunk, seed=a.seed,
+              task=a.task, log=lambda *m: print(*m, flush=True))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "answers"}))
     return res
 

@@ -361,15 +361,27 @@ def test_cache_bytes_equal_formula_for_ragged_mask():
 
 
 def test_engine_cache_factory_decodes_like_forward(model):
-    """inference.engine with catekv_cache_factory (sparse mask) == prefill + greedy via forward."""
+    """inference.engine with catekv_cache_factory (sparse ragged mask), prompts of different lengths
+    (right-padded by the engine to a bucket) == each prompt alone, prefilled + greedy via forward:
+    same tokens, same per-row selection (kept entries and slot offsets)."""
     from pallasite.inference import engine as E
     from pallasite.inference.cache.catekv import catekv_cache_factory
+    from pallasite.inference.sampling import SamplingParams
 
     gd, st = model
     mask = np.array([[True, False], [False, False]])
-    prompt = np.asarray(_tokens(B=1, T=112, seed=11))[0].tolist()  # multiple of 16: no engine padding
-    got = E.generate_ids(gd, st, CFG, [prompt], max_new_tokens=N_NEW,
-                         cache_factory=catekv_cache_factory(mask, SMALL, max_new_tokens=N_NEW), cache_len=128)
-    cache = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
-    _, ids, _ = _greedy(model, cache, jnp.asarray([prompt]))
-    assert got[0] == np.asarray(ids[0]).tolist()
+    toks = np.asarray(_tokens(B=1, T=112, seed=11))[0].tolist()
+    prompts = [toks, toks[:77][::-1]]  # 77: the engine pads it to 112 (the longest prompt)
+    args, spec = SamplingParams.make(2, 0.0)
+    s = E.run_decode(gd, st, CFG, prompts, max_new_tokens=N_NEW, strategy=E.SamplingStrategy(spec=spec), args=args,
+                     key=jax.random.key(0), cache_len=128,
+                     cache_factory=catekv_cache_factory(mask, SMALL, max_new_tokens=N_NEW))
+    got = E.results(s)
+    for row, prompt in enumerate(prompts):
+        cache = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+        _, ids, alone = _greedy(model, cache, jnp.asarray([prompt]))
+        assert got[row] == np.asarray(ids[0]).tolist(), row
+        np.testing.assert_array_equal(np.asarray(s.cache.sparse_offset[:, row]), np.asarray(alone.sparse_offset[:, 0]))
+        count = len(prompt) + int(alone.sparse_offset[1, 0])
+        np.testing.assert_allclose(np.asarray(s.cache.layer(1).views()[2][row, :count]),
+                                   np.asarray(alone.layer(1).views()[2][0, :count]), atol=1e-5)
