@@ -69,8 +69,11 @@ def load_texts(path: str | None) -> list[str]:
     return [open(f, encoding="utf-8", errors="replace").read() for f in files]
 
 
-def token_streams(tokenizer, texts: list[str], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(calibration stream, evaluation stream): split by file 80/20, tokenized, capped."""
+def token_streams(tokenizer, texts: list[str], max_tokens: int,
+                  max_eval_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration stream, evaluation stream): split by file 80/20, tokenized, capped at
+    ``max_tokens`` (calibration) and ``max_eval_tokens`` (evaluation; default the same cap). The
+    evaluation windows are the stream's first windows, so a longer cap never changes them."""
     cut = int(len(texts) * 0.8)
 
     def encode(parts, cap):
@@ -81,7 +84,7 @@ def token_streams(tokenizer, texts: list[str], max_tokens: int) -> tuple[np.ndar
                 break
         return np.asarray(ids[:cap], np.int32)
 
-    return encode(texts[:cut], max_tokens), encode(texts[cut:], max_tokens)
+    return encode(texts[:cut], max_tokens), encode(texts[cut:], max_tokens if max_eval_tokens is None else max_eval_tokens)
 
 
 def main(argv=None):
@@ -93,6 +96,9 @@ def main(argv=None):
     ap.add_argument("--calib-windows", type=int, default=None)
     ap.add_argument("--calib-len", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4, help="calibration batch (official: 4)")
+    ap.add_argument("--checkpoint", default=None, help="directory for FlatQuant's per-layer calibrated transforms "
+                                                       "(saved as each layer finishes; a rerun resumes from it)")
     ap.add_argument("--eval-windows", type=int, default=None)
     ap.add_argument("--eval-len", type=int, default=None)
     ap.add_argument("--impl", default="ref", choices=["ref", "pallas"])
@@ -112,7 +118,7 @@ def main(argv=None):
     epochs = args.epochs or (4 if q else 15)
     eval_n = args.eval_windows or (24 if q else None)
     eval_len = args.eval_len or (512 if q else 2048)
-    setting = dict(calib_windows=calib_n, calib_len=calib_len, epochs=epochs, batch=4,
+    setting = dict(calib_windows=calib_n, calib_len=calib_len, epochs=epochs, batch=args.batch,
                    eval_windows=eval_n, eval_len=eval_len, quick=q)
     t_start = time.time()
     path = args.gguf or gguf.smollm2_gguf_path()
@@ -121,8 +127,10 @@ def main(argv=None):
     cfg, state, tok = gguf.import_gguf(path)
     pure = state.to_pure_dict()
     texts = load_texts(args.text)
-    need = max(calib_n * calib_len, (eval_n or 10**9) * eval_len if eval_n else 2_000_000)
-    calib_stream, eval_stream = token_streams(tok, texts, need)
+    # calibration windows are drawn at random from a long stream (distinct text, not a few
+    # overlapping windows of a short one); the evaluation stream only needs its windows
+    calib_stream, eval_stream = token_streams(tok, texts, max(calib_n * calib_len, 2_000_000),
+                                              eval_n * eval_len if eval_n else 2_000_000)
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(calib_stream) - calib_len - 1, calib_n)
     calib = np.stack([calib_stream[s:s + calib_len] for s in starts])
@@ -147,8 +155,8 @@ def main(argv=None):
     for method in args.methods.split(","):
         t0 = time.time()
         qm = quantize_model(cfg, pure, method, calib_tokens=calib, impl=args.impl,
-                            ccfg=CalibConfig(nsamples=calib_n, seq_len=calib_len, batch=4, epochs=epochs),
-                            log=lambda s: print("  " + s, flush=True))
+                            ccfg=CalibConfig(nsamples=calib_n, seq_len=calib_len, batch=args.batch, epochs=epochs),
+                            log=lambda s: print("  " + s, flush=True), checkpoint=args.checkpoint)
         t1 = time.time()
         r = ppl_of(qm.graphdef, qm.state, qm.init_cache)
         results[f"ppl_{method}"] = r["ppl"]

@@ -130,12 +130,15 @@ def _tw(kern, c, inv_t):
 
 
 def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bits = FP_BITS, *,
-                  rope=None, collect: bool = False):
+                  rope=None, collect: bool = False, hessians: bool = False):
     """One Llama-style decoder layer as a pure function, in x's dtype (float64-capable).
 
     ``t`` holds resolved transforms (``resolve``) or None; with all bits = 16 and any invertible
     transforms the output equals the plain layer (exact invariance). ``collect=True`` also returns
-    per-channel absmax of the three quantized inputs (for the SmoothQuant-style init)."""
+    per-channel absmax of the three quantized inputs (for the SmoothQuant-style init).
+    ``hessians=True`` returns ``(out, {"qkv"|"o"|"ug"|"down": Σ x̂ᵀx̂})``: the sums over tokens of
+    the outer products of each linear's quantizer-dequantized, transformed input (the input the
+    folded weight actually sees; GPTQ's Hessian is ``2·Σ / n``); shared inputs appear once."""
     t = t or {}
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
@@ -143,6 +146,9 @@ def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bit
     cos, sin = rope if rope is not None else rope_tables(cfg, T, dt)
     lwc, lac = t.get("lwc") or {}, t.get("lac") or {}
     stats = {}
+
+    hess = {}
+    hess_key = {"q": "qkv", "o": "o", "gate": "ug", "down": "down"}  # k, v / up share q's / gate's input
 
     def linear(xt, name, c=None, inv_t=None, out_head=None):
         kern = _tw(w[name].astype(dt), c, inv_t)
@@ -154,7 +160,11 @@ def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bit
             if bias is not None:
                 bias = (bias.reshape(K, Dh) @ out_head).reshape(-1)
         kern = fake_quant_weight_sym(kern, bits.w)
-        y = fake_quant_act_sym(xt, lac.get(name), bits.a) @ kern
+        xq = fake_quant_act_sym(xt, lac.get(name), bits.a)
+        if hessians and name in hess_key:
+            x2 = xq.reshape(-1, xq.shape[-1])
+            hess[hess_key[name]] = x2.T @ x2
+        y = xq @ kern
         return y if bias is None else y + bias
 
     h = rms_norm(x_BTD, w["input_norm"].astype(dt), cfg.norm_eps)
@@ -189,6 +199,8 @@ def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bit
         stats["down"] = jnp.max(jnp.abs(a), axis=(0, 1))
     ad = kron_apply(a * t["c_down"] if t.get("c_down") is not None else a, t.get("down"))
     out = x + linear(ad, "down", t.get("c_down"), t.get("down_inv_t"))
+    if hessians:
+        return out, hess
     return (out, stats) if collect else out
 
 
@@ -313,9 +325,14 @@ def embed_tokens(pure: dict, tokens_NT) -> jax.Array:
 
 def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibConfig = CalibConfig(), *,
               bits: Bits = Bits(), log: Callable[[str], None] = print, layer_weights_fn=None,
-              max_layers: Optional[int] = None):
+              max_layers: Optional[int] = None, checkpoint: Optional[str] = None, log_epochs: bool = False):
     """Layer-wise FlatQuant calibration. Returns (resolved transforms per layer as float64 numpy,
-    history: list of per-layer lists of per-epoch mean MSE)."""
+    history: list of per-layer lists of per-epoch mean MSE).
+
+    ``checkpoint``: a directory; each finished layer's resolved transforms and MSE history are
+    written there at once (``layer_XXX.npz``) and layers already present are loaded instead of
+    re-trained (their FP outputs are recomputed, which is cheap), so a crash loses at most one
+    layer. The directory also records the calibration setting and refuses to resume a different one."""
     from pallasite.models.quantized import layer_weights
 
     check_quantizable(cfg)
@@ -325,8 +342,6 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
     bsz = min(ccfg.batch, N)
     steps_per_epoch = N // bsz
     rope = rope_tables(cfg, T, jnp.float32)
-    rng = np.random.default_rng(ccfg.seed)
-
     fp_fn = jax.jit(lambda w, x: layer_forward(w, None, x, cfg, FP_BITS, rope=rope, collect=True))
 
     def loss_fn(theta, frozen, w, x, target):
@@ -346,6 +361,8 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
     n_layers = cfg.n_layers if max_layers is None else min(max_layers, cfg.n_layers)
     resolved, history = [], []
     step_jit = None
+    if checkpoint is not None:
+        _check_checkpoint_setting(checkpoint, ccfg, bits, tokens_NT)
     for i in range(n_layers):
         t0 = time.time()
         w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights_fn(i).items()}
@@ -355,6 +372,14 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
             outs.append(o)
             stats = s if stats is None else jax.tree.map(jnp.maximum, stats, s)
         x_out = jnp.concatenate(outs, axis=0)
+        saved = None if checkpoint is None else load_layer_checkpoint(checkpoint, i)
+        if saved is not None:
+            resolved.append(saved[0])
+            history.append(saved[1])
+            log(f"flatquant layer {i}: loaded from {checkpoint} (mse {saved[1][0]:.3e} -> {saved[1][-1]:.3e})")
+            x_in = x_out
+            continue
+        rng = np.random.default_rng([ccfg.seed, i])  # per layer: a resumed run draws the same bases
         theta, frozen = init_flatquant_params(cfg, {k: np.asarray(v) for k, v in w.items() if v is not None},
                                               stats, ccfg, rng)
         if opt is None:
@@ -372,12 +397,105 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
             if not math.isfinite(m):
                 raise FloatingPointError(f"FlatQuant calibration: non-finite loss ({m}) at layer {i}, epoch {epoch}")
             epoch_mse.append(m)
+            if log_epochs:
+                log(f"  layer {i} epoch {epoch + 1}/{ccfg.epochs}: mse {m:.4e} ({time.time() - t0:.0f}s)")
         check_transforms(theta, i)
         resolved.append(to_numpy_f64(resolve(theta, frozen)))
         history.append(epoch_mse)
+        if checkpoint is not None:
+            save_layer_checkpoint(checkpoint, i, resolved[-1], epoch_mse)
         log(f"flatquant layer {i}: mse {epoch_mse[0]:.3e} -> {epoch_mse[-1]:.3e} ({time.time() - t0:.1f}s)")
         x_in = x_out  # the FP output of the FP layer feeds the next layer
     return resolved, history
+
+
+# ====================================================================== per-layer checkpoints
+def _flatten(tree, prefix=""):
+    """Nested dict/tuple of arrays → {"a/b/0": array}; None leaves are dropped."""
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (tuple, list)):
+        for j, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}{j}/"))
+    elif tree is not None:
+        out[prefix[:-1]] = np.asarray(tree)
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    root: dict = {}
+    for key, v in flat.items():
+        parts = key.split("/")
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+
+    def fix(node):  # dicts keyed 0..n-1 were tuples (Kronecker factor pairs)
+        if not isinstance(node, dict):
+            return node
+        node = {k: fix(v) for k, v in node.items()}
+        if node and all(k.isdigit() for k in node):
+            return tuple(node[str(j)] for j in range(len(node)))
+        return node
+    return fix(root)
+
+
+def save_layer_checkpoint(directory: str, layer: int, resolved_layer: dict, epoch_mse: list) -> None:
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"layer_{layer:03d}.npz")
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, __history__=np.asarray(epoch_mse, np.float64), **_flatten(resolved_layer))
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated layer file
+
+
+def load_layer_checkpoint(directory: str, layer: int):
+    """(resolved float64 transforms, epoch MSE list) of a finished layer, or None."""
+    import os
+
+    path = os.path.join(directory, f"layer_{layer:03d}.npz")
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as z:
+        flat = {k: np.asarray(z[k], np.float64) for k in z.files}
+    hist = [float(h) for h in flat.pop("__history__")]
+    return _unflatten(flat), hist
+
+
+def load_calibration(directory: str, n_layers: int) -> list:
+    """All layers' resolved transforms from a finished ``checkpoint`` directory (missing layers named)."""
+    out = []
+    for i in range(n_layers):
+        saved = load_layer_checkpoint(directory, i)
+        if saved is None:
+            raise FileNotFoundError(f"load_calibration: {directory} has no layer_{i:03d}.npz "
+                                    f"(calibration unfinished: expected {n_layers} layers)")
+        out.append(saved[0])
+    return out
+
+
+def _check_checkpoint_setting(directory: str, ccfg: CalibConfig, bits: Bits, tokens_NT) -> None:
+    import hashlib
+    import json
+    import os
+
+    setting = dict(dataclasses.asdict(ccfg), bits=dataclasses.asdict(bits), shape=list(tokens_NT.shape),
+                   tokens_sha1=hashlib.sha1(np.ascontiguousarray(tokens_NT, np.int64).tobytes()).hexdigest())
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "setting.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old != setting:
+            raise ValueError(f"calibrate: checkpoint {directory} was made with another setting {old}; "
+                             f"this run is {setting} (use a fresh directory)")
+    else:
+        with open(path, "w") as f:
+            json.dump(setting, f, indent=1)
 
 
 def folded_layer_forward(folded: dict, x_BTD, cfg: ModelConfig, k_trans=None, q_trans=None, *, rope=None):

@@ -98,6 +98,51 @@ def hadamard_transforms(cfg: ModelConfig, seed: int = 0) -> list[dict]:
     return res
 
 
+HESSIAN_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "ug", "up": "ug", "down": "down"}
+
+
+def gptq_hessians(cfg: ModelConfig, pure: dict, resolved: list, tokens_NT, bits, batch: int = 4) -> list[dict]:
+    """Per layer, GPTQ's ``H = 2 X̂ᵀX̂ / n`` of each linear group's input as the folded weight sees
+    it: transformed (``resolved[i]``) and activation-quantized (``bits.a``), one Hessian per shared
+    input (``qkv``, ``o``, ``ug``, ``down``; see ``HESSIAN_OF``).
+
+    As GPTQ's sequential pass, layer i's inputs are the outputs of the already-quantized layers
+    0..i-1 (fake-quantized; deviation: those layers use RTN weights, not their GPTQ weights, and
+    within a layer o/down see RTN-quantized q/k/v/gate/up instead of GPTQ'd ones — one pass per
+    layer instead of four)."""
+    tokens_NT = np.asarray(tokens_NT)
+    rope = rope_tables(cfg, tokens_NT.shape[1], jnp.float32)
+
+    @jax.jit
+    def fwd(w, t, x):
+        return layer_forward(w, t, x, cfg, bits, rope=rope, hessians=True)
+
+    x = embed_tokens(pure, tokens_NT)
+    n_tok = tokens_NT.shape[0] * tokens_NT.shape[1]
+    out = []
+    for i in range(cfg.n_layers):
+        w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights(pure, cfg, i).items()}
+        t = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), resolved[i])
+        ys, acc = [], None
+        for b in range(0, x.shape[0], batch):
+            y, h = fwd(w, t, x[b:b + batch])
+            ys.append(y)
+            h = {k: np.asarray(v, np.float64) for k, v in h.items()}
+            acc = h if acc is None else {k: acc[k] + h[k] for k in acc}
+        out.append({k: 2.0 * v / n_tok for k, v in acc.items()})
+        x = jnp.concatenate(ys, axis=0)
+    return out
+
+
+def gptq_weight_quantizer(hessians: list[dict], bits: int = 4):
+    """``build_quantized_state``'s ``weight_quantizer`` running GPTQ with the layer's Hessians."""
+    from pallasite.ops.quant.gptq import gptq_quantize
+
+    def quantize(i, name, w_IO):
+        return gptq_quantize(w_IO, hessians[i][HESSIAN_OF[name]], bits=bits)
+    return quantize
+
+
 @dataclasses.dataclass
 class QuantizedModel:
     cfg: ModelConfig  # quantized config (linear="w4a4", quant=QuantConfig)
@@ -119,9 +164,18 @@ class QuantizedModel:
 def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=None,
                    ccfg: CalibConfig = CalibConfig(), w_bits: int = 4, a_bits: int = 4, kv_bits: int = 4,
                    impl: str = "ref", resolved: Optional[list] = None, seed: int = 0,
-                   log: Callable[[str], None] = print) -> QuantizedModel:
-    """FP pure state dict → deployed W4A4KV4 model for ``method`` (rtn | smoothquant | hadamard | flatquant)."""
+                   log: Callable[[str], None] = print, checkpoint: Optional[str] = None,
+                   weight_quantizer: str = "rtn") -> QuantizedModel:
+    """FP pure state dict → deployed W4A4KV4 model for ``method`` (rtn | smoothquant | hadamard | flatquant).
+
+    ``weight_quantizer``: ``"rtn"`` (round-to-nearest) or ``"gptq"`` (GPTQ on the transformed,
+    clipped weights with Hessians of their transformed inputs over ``calib_tokens``; the paper's
+    "-GPTQ" rows). ``checkpoint``: FlatQuant's per-layer calibration directory (resumable)."""
     check_quantizable(cfg)
+    if weight_quantizer not in ("rtn", "gptq"):
+        raise ValueError(f"quantize_model: weight_quantizer={weight_quantizer!r}; expected 'rtn' or 'gptq'")
+    if weight_quantizer == "gptq" and calib_tokens is None:
+        raise ValueError("quantize_model(weight_quantizer='gptq') needs calib_tokens for the GPTQ Hessians")
     history = None
     if resolved is None:
         if method == "rtn":
@@ -137,13 +191,20 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
                 raise ValueError("quantize_model(method='flatquant') needs calib_tokens for calibration")
             from pallasite.training.flatquant import Bits
 
-            resolved, history = calibrate(cfg, pure, calib_tokens, ccfg, bits=Bits(w_bits, a_bits, kv_bits), log=log)
+            resolved, history = calibrate(cfg, pure, calib_tokens, ccfg, bits=Bits(w_bits, a_bits, kv_bits), log=log,
+                                          checkpoint=checkpoint, log_epochs=checkpoint is not None)
         else:
             raise ValueError(f"quantize_model: unknown method {method!r}; expected rtn | smoothquant | hadamard | flatquant")
     online = method in ("hadamard", "flatquant")
     qcfg = QuantConfig(method=method, w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, online_transform=online, impl=impl)
     folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16) for i, t in enumerate(resolved)]
-    cfg_q, pure_q = build_quantized_state(cfg, pure, folded, qcfg)
+    wq = None
+    if weight_quantizer == "gptq" and w_bits < 16:
+        from pallasite.training.flatquant import Bits
+
+        hess = gptq_hessians(cfg, pure, resolved, calib_tokens, Bits(w_bits, a_bits, kv_bits), batch=ccfg.batch)
+        wq = gptq_weight_quantizer(hess, w_bits)
+    cfg_q, pure_q = build_quantized_state(cfg, pure, folded, qcfg, weight_quantizer=wq)
     graphdef, state = state_from_pure(cfg_q, pure_q)
     return QuantizedModel(cfg_q, graphdef, state, kv_transforms(cfg, resolved), resolved, history)
 
