@@ -3,15 +3,19 @@ a full KV cache vs the CateKV hybrid cache at long context, side by side in one 
 
     python -m pallasite.benchmarks.attention --quick      # < 3 min on 2 CPU cores, reaches 32k
 
-Decode: one layer of a Llama-like shape chosen so that r·K is a whole number of heads for both
-r = 0.4 and r = 0.3 (K = 10 KV heads, G = 2, head_dim 128, batch 1), 128 slots of decode room in
-both caches. The CateKV cache is filled by its real selection code (``CateKVCache.fill``: middle
-attention of 64 last queries, CV, chunk scores, top chunks) from random K/V. Timed: the attention
-of one new token over the cache contents (``reference_attention`` over the dense cache vs
-``CateKVCache.attend``: two attentions over the adaptive part and the kept entries, plus the head
-gather / scatter), compiled XLA on CPU; on a GPU the Pallas decode kernel for both (and the XLA
-path too). Memory: bytes of the arrays each cache allocates (index tables included) and the
-paper's ideal ratio ``1 / (r + (1 − r)·B/N)``.
+Decode: a Llama-like shape chosen so that r·K is a whole number of heads for both r = 0.4 and
+r = 0.3 (K = 10 KV heads, G = 2, head_dim 128), 128 slots of decode room in both caches; ``--layers``
+layers (scanned like the model, CateKV's shared pools in the scan carry) × ``--batch`` rows per
+step — default 1 × 1 on CPU, 8 × 4 on a GPU, where one layer of one row (0.1–0.2 ms) only
+measures launch overhead. The CateKV cache is filled by its real selection code
+(``CateKVCache.fill``: middle attention of 64 last queries, CV, chunk scores, top chunks) from
+random K/V. Timed: the attention of one new token over the cache contents (``reference_attention``
+over the dense cache vs ``CateKVCache.attend``: two attentions over the adaptive part and the kept
+entries, plus the head gather / scatter), compiled XLA on CPU; on a GPU the Pallas decode kernel
+for both (and the XLA path too). Memory: bytes of the arrays each cache allocates (index tables
+included; asserted equal to ``memory_report``) and the paper's ideal ratio ``1 / (r + (1 − r)·B/N)``.
+A second memory table puts a global (ragged) mask on the SmolLM2-135M shape (30 layers × 3 KV
+heads): the packed pools vs the previous per-layer padded layout.
 
 Prefill: on CPU the Pallas kernel only runs in interpret mode (correctness, not speed), so the
 CPU row reports the XLA reference time and the interpret-mode error; on a GPU the Triton kernel

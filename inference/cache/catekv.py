@@ -70,7 +70,8 @@ or r·K whole — waste nothing).
 
 Calls: a call with T > 1 tokens is the prefill (positions 0..T-1, one call for the whole
 prompt, as the official code); T = 1 calls are decode steps. Rows of a batch may have different
-prompt lengths (right padding) when ``prompt_len`` is set (``init_catekv_cache(prompt_lengths=)``).
+prompt lengths (right padding) when ``prompt_len`` is set (``init_catekv_cache(prompt_lengths=)`` or
+``with_prompt_lengths``, which ``inference.engine`` calls before its prefill).
 Sliding-window models are rejected (CateKV targets full-attention models).
 """
 
