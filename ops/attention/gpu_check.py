@@ -113,6 +113,21 @@ def _checks() -> list:
     q, pos = rnd((1, 1, 20, 128), jnp.float32, 17), jnp.array([[N - 1]])
     check("catekv attend pallas==ref", lambda: maxdiff(cache.attend(q, pos, impl="pallas", interpret=interpret),
                                                        jax.jit(lambda c, q, p: c.attend(q, p))(cache, q, pos)), 2e-5)
+    # CateKV ragged pools: 3 layers with 4 / 1 / 0 adaptive heads; layer 1's windows hold neighbours'
+    # heads, which must be ignored by the Pallas path as by the jnp path
+    cfg3 = cfg.replace(n_layers=3)
+    mask3 = np.zeros((3, 10), bool)
+    mask3[0, :4] = True
+    mask3[1, 7] = True
+    cache3 = init_catekv_cache(cfg3, 1, N + 128, mask3, catekv_cfg=ccfg, max_new_tokens=128)
+    fill = jax.jit(lambda c, i, ql, k, v: c.with_layer(i, c.layer(i).fill(ql, k, v, jnp.array([N]))))
+    for i in range(3):
+        cache3 = fill(cache3, i, rnd((1, 64, 20, 128), jnp.float32, 20 + i), rnd((1, N, 10, 128), jnp.float32, 30 + i),
+                      rnd((1, N, 10, 128), jnp.float32, 40 + i))
+    layer1 = cache3.layer(1)
+    check("catekv ragged pools attend pallas==ref",
+          lambda: maxdiff(layer1.attend(q, pos, impl="pallas", interpret=interpret),
+                          jax.jit(lambda c, q, p: c.attend(q, p))(layer1, q, pos)), 2e-5)
     return failures
 
 
