@@ -12,7 +12,12 @@ One layer covers the gating conventions of the three HF families we import:
   (``norm_topk_prob=False``).
 
 Every expert is a SwiGLU MLP ``down(act(x·W_gate) ⊙ x·W_up)`` with weights stacked over the
-expert axis: ``w_gate, w_up [E, D, F]``, ``w_down [E, F, D]`` (logical axes ``expert``, …).
+expert axis: ``w_gate, w_up [E, D, F]``, ``w_down [E, F, D]`` (logical axes ``expert``, …) —
+the form of every HF family above (``gated=True``, the default and what HF import builds).
+``gated=False`` gives non-gated two-matrix experts ``down(act(x·W_up))`` (no ``w_gate``): the
+Pythia-style experts of the MoLE paper's MoE-10E / MoE-34E baselines (Jie et al. ICML 2025,
+Table 2: exact-GELU MLPs of width D_r = D_s/2, top-2, so 2·2·d·D_s/2 activated FFN parameters,
+the dense model's), used by ``configs/experts``.
 The router runs in float32 whatever the compute dtype (its logits, softmax and top-k).
 
 Auxiliary losses (returned in the FFN's aux dict **already multiplied by their coefficient**,
@@ -81,7 +86,8 @@ class MoEConfig:
 
     num_experts: int = 8
     top_k: int = 2
-    d_expert: Optional[int] = None  # per-expert SwiGLU width (HF moe_intermediate_size); None → cfg.d_ff
+    d_expert: Optional[int] = None  # per-expert hidden width (HF moe_intermediate_size); None → cfg.d_ff
+    gated: bool = True  # SwiGLU-form experts (HF families); False: non-gated down(act(x·W_up)) (MoLE paper MoE)
     norm_topk_prob: bool = True  # Mixtral True; Qwen2-MoE False / Qwen3-MoE True; OLMoE False
     router_bias: bool = False
     shared_expert_d_ff: int = 0  # Qwen2-MoE shared expert width; 0 = no shared expert
@@ -182,12 +188,15 @@ def capacity_keep(experts_BTK: jax.Array, num_experts: int, capacity: int) -> ja
 def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, gmm_impl="auto"):
     """y_r = Σ_s weights[r,s] · Expert_{experts[r,s]}(x_r); expert id −1 means an empty slot.
 
+    Expert_e(x) = down_e(act(x·gate_e) ⊙ x·up_e), or down_e(act(x·up_e)) when ``w_gate_EDF`` is
+    None (non-gated experts).
+
     The (row, slot) pairs are sorted by expert and the experts run as grouped matmuls over
     the sorted rows (dropless). Used by the single-device layer (rows = tokens, slots = the k
     choices) and on every device of the expert-parallel dispatch (rows = received buffer
     rows, slots = the local experts a row visits)."""
     R, S = experts_RS.shape
-    E = w_gate_EDF.shape[0]
+    E = w_up_EDF.shape[0]
     key_P = jnp.where(experts_RS < 0, E, experts_RS).reshape(-1)  # empty slots sort last
     order_P = jnp.argsort(key_P, stable=True)
     rows_P = order_P // S
@@ -196,9 +205,12 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     dt = x_RD.dtype
     if gmm_impl == "auto":  # ragged_dot costs ~E× its FLOPs on XLA:CPU; the padded-tile path does not
         gmm_impl = "tiles" if jax.default_backend() == "cpu" else "ref"
-    g = gmm(xs_PD, w_gate_EDF.astype(dt), group_sizes, impl=gmm_impl)
     u = gmm(xs_PD, w_up_EDF.astype(dt), group_sizes, impl=gmm_impl)
-    ys_PD = gmm(act(g) * u, w_down_EFD.astype(dt), group_sizes, impl=gmm_impl)
+    if w_gate_EDF is None:
+        h = act(u)
+    else:
+        h = act(gmm(xs_PD, w_gate_EDF.astype(dt), group_sizes, impl=gmm_impl)) * u
+    ys_PD = gmm(h, w_down_EFD.astype(dt), group_sizes, impl=gmm_impl)
     inv_P = jnp.argsort(order_P)
     y_RSD = jnp.take(ys_PD, inv_P, axis=0).reshape(R, S, -1)
     w_RS = jnp.where(experts_RS < 0, 0.0, weights_RS).astype(jnp.float32)
@@ -218,7 +230,7 @@ def _expert_mesh(mesh, axis: str):
 
 
 class MoE(nnx.Module):
-    """Routed SwiGLU experts (+ optional Qwen shared expert); see the module docstring."""
+    """Routed SwiGLU (or non-gated) experts (+ optional Qwen shared expert); see the module docstring."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = moe_config_of(cfg)
@@ -231,7 +243,8 @@ class MoE(nnx.Module):
         init = jax.nn.initializers.normal(0.02)
         self.router = nnx.Param(init(rngs.params(), (D, E), pdt), logical_axes=("embed", None))
         self.router_bias = nnx.Param(jnp.zeros((E,), pdt), logical_axes=(None,)) if m.router_bias else None
-        self.w_gate = nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
+        self.w_gate = (nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
+                       if m.gated else None)
         self.w_up = nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
         self.w_down = nnx.Param(init(rngs.params(), (E, F, D), pdt), logical_axes=("expert", "expert_mlp", "embed"))
         if m.shared_expert_d_ff:
@@ -285,11 +298,12 @@ class MoE(nnx.Module):
         aux = aux_losses(logits, probs, e_BTK.reshape(B * T, -1), m.num_experts, m.lb_loss_coef, m.z_loss_coef)
         w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
         ep_mesh = _expert_mesh(mesh, m.expert_axis)
+        w_gate = None if self.w_gate is None else self.w_gate[...]
         if ep_mesh is None:
             e_masked = jnp.where(keep_BTK, e_BTK, -1)
             y = expert_ffn_rows(
                 x_BTD.reshape(B * T, D), e_masked.reshape(B * T, -1), w_BTK.reshape(B * T, -1),
-                self.w_gate[...], self.w_up[...], self.w_down[...], act=self.act, gmm_impl=m.gmm_impl,
+                w_gate, self.w_up[...], self.w_down[...], act=self.act, gmm_impl=m.gmm_impl,
             ).reshape(B, T, D)
         else:
             from pallasite.models.moe_dispatch import expert_parallel_ffn
@@ -297,7 +311,7 @@ class MoE(nnx.Module):
             capacity = (expert_capacity(T, m.top_k, m.num_experts, m.capacity_factor)
                         if m.capacity_factor is not None else None)
             y = expert_parallel_ffn(
-                x_BTD, e_BTK, w_BTK, keep_BTK, self.w_gate[...], self.w_up[...], self.w_down[...],
+                x_BTD, e_BTK, w_BTK, keep_BTK, w_gate, self.w_up[...], self.w_down[...],
                 mesh=ep_mesh, expert_axis=m.expert_axis, mode=m.dispatch, act=self.act, gmm_impl=m.gmm_impl,
                 expert_capacity=capacity,
             )

@@ -96,7 +96,7 @@ def _local_dispatch(x_ND, experts_NK, weights_NK, keep_NK, w_gate, w_up, w_down,
     """Body of the shard_map on one device (x, routing: this device's tokens; weights: its experts)."""
     N, D = x_ND.shape
     K = experts_NK.shape[1]
-    E_loc = w_gate.shape[0]
+    E_loc = w_up.shape[0]
     S = 1 if mode == "standard" else min(K, E_loc)
     dest, row, slot, first, _ = dispatch_plan(experts_NK, keep_NK, num_devices=num_devices,
                                               experts_per_device=E_loc, mode=mode)
@@ -147,10 +147,11 @@ def token_axes(mesh, batch_size: int, expert_axis: str) -> tuple[str, ...]:
 def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh,
                         expert_axis: str = "expert", mode: str = "standard", act=jax.nn.silu, gmm_impl: str = "auto",
                         expert_capacity: Optional[int] = None):
-    """Expert-parallel routed FFN; equals ``expert_ffn_rows`` on one device (see module doc)."""
+    """Expert-parallel routed FFN; equals ``expert_ffn_rows`` on one device (see module doc).
+    ``w_gate_EDF=None``: non-gated experts (``MoEConfig.gated=False``)."""
     B, T, D = x_BTD.shape
     K = experts_BTK.shape[-1]
-    E = w_gate_EDF.shape[0]
+    E = w_up_EDF.shape[0]
     n_dev = mesh.shape[expert_axis]
     if E % n_dev:
         raise ValueError(
@@ -167,7 +168,10 @@ def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w
     tok_spec = P(axes if len(axes) > 1 else axes[0])
     w_spec = P(expert_axis, None, None)
 
-    def body(x, e, w, keep, wg, wu, wd):
+    gated = w_gate_EDF is not None
+
+    def body(x, e, w, keep, *ws):
+        wg, wu, wd = ws if gated else (None, *ws)
         b = x.shape[0]
         y = _local_dispatch(
             x.reshape(b * T, D), e.reshape(b * T, K), w.reshape(b * T, K), keep.reshape(b * T, K), wg, wu, wd,
@@ -175,8 +179,9 @@ def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w
         )
         return y.reshape(b, T, D)
 
+    ws = (w_gate_EDF, w_up_EDF, w_down_EFD) if gated else (w_up_EDF, w_down_EFD)
     return jax.shard_map(
         body, mesh=mesh,
-        in_specs=(tok_spec, tok_spec, tok_spec, tok_spec, w_spec, w_spec, w_spec),
+        in_specs=(tok_spec, tok_spec, tok_spec, tok_spec) + (w_spec,) * len(ws),
         out_specs=tok_spec,
-    )(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    )(x_BTD, experts_BTK, weights_BTK, keep_BTK, *ws)

@@ -67,6 +67,11 @@ class MoLEConfig:
     activation: "gelu_exact" (torch ``nn.GELU()``, the paper's) — "gelu" (tanh) only for ablations.
     lut_dtype: storage dtype of the LUT ("float16" as in the official ``.half()``; "bfloat16";
       "float32" for exactness tests).
+    dedup_fraction: training-mode speed-up, exact: the experts see only the embedding of the
+      token id, so they are run once per *distinct* id of the batch (at most
+      ``dedup_fraction · B·T`` rows, or the vocabulary if smaller) and gathered back; a batch with
+      more distinct ids than that takes the plain all-tokens path (``lax.cond``). 0 → always
+      the plain path. Same values and gradients (tests/models/test_mole.py).
     """
 
     n_experts: int = 4
@@ -75,6 +80,7 @@ class MoLEConfig:
     mode: str = "train"
     activation: str = "gelu_exact"
     lut_dtype: str = "float16"
+    dedup_fraction: float = 0.5
 
     def __post_init__(self):
         if int(self.n_experts) < 0:
@@ -87,6 +93,8 @@ class MoLEConfig:
             raise ValueError(f"MoLEConfig.mode={self.mode!r}; expected one of {MOLE_MODES}")
         if self.activation not in ("gelu_exact", "gelu", "silu"):
             raise ValueError(f"MoLEConfig.activation={self.activation!r}; expected gelu_exact | gelu | silu")
+        if not 0.0 <= float(self.dedup_fraction) <= 1.0:
+            raise ValueError(f"MoLEConfig.dedup_fraction={self.dedup_fraction!r}; expected a fraction in [0, 1]")
         if self.lut_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"MoLEConfig.lut_dtype={self.lut_dtype!r}; expected float16 | bfloat16 | float32")
 
@@ -130,6 +138,58 @@ def experts_forward(n_XD: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act
     return jnp.einsum("...nf,nfd->...nd", f(h), down_NFD.astype(dtype))
 
 
+def mixed_experts_forward(n_XD: jax.Array, g_XN: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act: str,
+                          dtype) -> jax.Array:
+    """``Σ_j g_j · E_j(n)`` without materialising the N expert outputs ``[..., N, D]``.
+
+    Exact rewrite used by the training-mode FFN: ``Σ_j g_j W_down^j f(W_up^j n)
+    = [g ⊗ f(W_up n)] · W_down`` with ``W_up`` flattened to ``[D, N·F]`` and ``W_down`` to
+    ``[N·F, D]``: two plain GEMMs instead of two expert-batched einsums plus an ``[X, N, D]``
+    intermediate (on XLA:CPU the batched form ran ~3× slower per FLOP). Same math as
+    ``experts_forward`` followed by the gate-weighted sum (only the summation order differs)."""
+    N, D, F = up_NDF.shape
+    f = activation(act)
+    h = jnp.dot(n_XD.astype(dtype), up_NDF.astype(dtype).transpose(1, 0, 2).reshape(D, N * F))
+    a = f(h).reshape(*h.shape[:-1], N, F) * g_XN.astype(dtype)[..., None]
+    return jnp.dot(a.reshape(*h.shape[:-1], N * F), down_NFD.astype(dtype).reshape(N * F, D))
+
+
+def unique_rows(ids_X: jax.Array, max_unique: int):
+    """Static-size dedup of token ids: ``(n_unique, rep_U, slot_X)`` with ``rep_U`` a position
+    holding each distinct id (slots ≥ n_unique point at position 0) and ``slot_X`` the slot of
+    every position, so ``ids[rep_U][slot_X] == ids`` whenever ``n_unique <= max_unique``."""
+    ids_X = jnp.asarray(ids_X)  # a numpy input indexed by a traced order would fail under scan
+    X = ids_X.shape[0]
+    order_X = jnp.argsort(ids_X)
+    sorted_X = ids_X[order_X]
+    new_X = jnp.concatenate([jnp.ones((1,), bool), sorted_X[1:] != sorted_X[:-1]])
+    slot_sorted = jnp.cumsum(new_X.astype(jnp.int32)) - 1
+    slot_X = jnp.zeros((X,), jnp.int32).at[order_X].set(slot_sorted)
+    rep_U = jnp.zeros((max_unique,), jnp.int32).at[jnp.where(new_X, slot_sorted, max_unique)].set(
+        order_X.astype(jnp.int32), mode="drop")
+    return slot_sorted[-1] + 1, rep_U, jnp.minimum(slot_X, max_unique - 1)
+
+
+def dedup_mixed_experts(n_XD, ids_X, g_XN, up_NDF, down_NFD, act: str, dtype, max_unique: int) -> jax.Array:
+    """``Σ_j g_j · E_j(n)`` computing the experts once per distinct token id (``n`` must be a
+    function of the id, as the normed embedding is). Falls back to ``mixed_experts_forward`` on
+    all rows when the batch has more than ``max_unique`` distinct ids."""
+    n_unique, rep_U, slot_X = unique_rows(ids_X, max_unique)
+
+    def dedup(n_XD, g_XN, up, down):
+        # up-projection + GELU once per distinct id ([U, N·F]); the gate-weighted down-projection
+        # stays one GEMM over all rows (a per-expert [U, N, D] output would need N small GEMMs)
+        N, D, F = up.shape
+        h_UF = jnp.dot(jnp.take(n_XD, rep_U, axis=0).astype(dtype), up.astype(dtype).transpose(1, 0, 2).reshape(D, N * F))
+        a_XNF = jnp.take(activation(act)(h_UF), slot_X, axis=0).reshape(-1, N, F) * g_XN.astype(dtype)[..., None]
+        return jnp.dot(a_XNF.reshape(-1, N * F), down.astype(dtype).reshape(N * F, D))
+
+    def full(n_XD, g_XN, up, down):
+        return mixed_experts_forward(n_XD, g_XN, up, down, act, dtype).astype(dtype)
+
+    return jax.lax.cond(n_unique <= max_unique, dedup, full, n_XD, g_XN, up_NDF, down_NFD)
+
+
 class RoutedExperts(nnx.Module):
     """N stacked non-gated GELU experts (weights ``up [N, D, F]``, ``down [N, F, D]``)."""
 
@@ -152,6 +212,7 @@ class MoLEFFN(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = mole_config_of(cfg)
         self.n_experts, self.mode = int(m.n_experts), m.mode
+        self.dedup_fraction, self.vocab_size = float(m.dedup_fraction), cfg.vocab_size
         self.d_model = cfg.d_model
         self.dtype = dtype_of(cfg.dtype)
         self.shared = GeluMLP(cfg, m.d_shared or cfg.d_ff, m.activation, rngs=rngs)
@@ -188,10 +249,20 @@ class MoLEFFN(nnx.Module):
         if not self.n_experts:
             return y, {}
         B, T, _ = x_BTD.shape
+        g_BTN = self.gates(x_BTD).astype(self.dtype)
         if self.mode == "train":
             if embed_BTD is None:
                 raise ValueError("MoLE FFN needs embed_BTD (the embedding-layer output); the Block must pass it")
-            e_BTND = self.expert_outputs(embed_BTD)
+            ex = self.experts
+            n_BTD = self.expert_norm(embed_BTD)
+            X, D = B * T, self.d_model
+            max_unique = min(int(self.dedup_fraction * X), self.vocab_size or X)
+            if token_ids_BT is not None and 0 < max_unique < X:
+                mix = dedup_mixed_experts(n_BTD.reshape(X, D), token_ids_BT.reshape(X), g_BTN.reshape(X, -1),
+                                          ex.up[...], ex.down[...], ex.act, ex.dtype, max_unique).reshape(B, T, D)
+            else:
+                mix = mixed_experts_forward(n_BTD, g_BTN, ex.up[...], ex.down[...], ex.act, ex.dtype)
+            return y + mix.astype(y.dtype), {}
         else:
             e_BTND = self.lut_rows[...]
             want = (B, T, self.n_experts, self.d_model)
@@ -201,7 +272,6 @@ class MoLEFFN(nnx.Module):
                     "([B, T, N, d] for the tokens of this call). Fill it with "
                     "pallasite.inference.mole_decode.with_lut_rows, lut_forward or serve_with_store before the forward."
                 )
-        g_BTN = self.gates(x_BTD).astype(self.dtype)
         mix = jnp.einsum("btn,btnd->btd", g_BTN, e_BTND.astype(self.dtype))
         return y + mix, {}
 
@@ -210,12 +280,18 @@ register_ffn("mole", MoLEFFN)
 
 
 # ----------------------------------------------------------------------------- variants
-def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2) -> dict:
+def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2,
+                          moe_gated: bool = False) -> dict:
     """ModelConfig fields (ffn / moe / mole / d_ff / hidden_act) of one variant of the paper's
     comparison for a dense FFN width ``d_ff`` = D_s: dense (MoLE with N = 0: non-gated GELU),
-    moleN, moeN (top-k SwiGLU-form experts, exact GELU, width D_s/(1.5k) for equal activated
-    parameters, or D_s/2 with ``moe_width="paper"``), dense_glu (gated control). Used by
-    configs/experts and benchmarks/experts (kept here so neither needs the other)."""
+    moleN, moeN (top-k exact-GELU experts), dense_glu (gated control).
+
+    MoE experts: ``moe_gated=False`` (default, the paper's Table 2) → non-gated two-matrix MLPs of
+    width D_s/k (D_s/2 at top-2: k·2·d·D_s/k = the dense FFN's activated parameters, with either
+    ``moe_width``). ``moe_gated=True`` → SwiGLU-form experts (the HF families' form) of width
+    D_s/(1.5k) for equal activated parameters (``moe_width="equal_params"``) or D_s/2 literally
+    (``"paper"``, 1.5× the activated parameters). Used by configs/experts and benchmarks/experts
+    (kept here so neither needs the other)."""
     if kind == "dense":
         return dict(ffn="mole", mole=dict(n_experts=0))
     if kind == "dense_glu":  # control: the core's gated FFN (GeGLU) at the dense model's activated params
@@ -225,12 +301,13 @@ def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_param
     if kind.startswith("moe"):
         if moe_width not in ("equal_params", "paper"):
             raise ValueError(f"moe_width={moe_width!r}; expected equal_params | paper")
-        # equal_params: k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the
-        # dense FFN (top-2 → D_s/3, the paper's D_s/2 non-gated experts in SwiGLU form).
-        width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
+        if not moe_gated:
+            width = max(1, d_ff // top_k) if moe_width == "equal_params" else d_ff // 2
+        else:  # k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the dense FFN
+            width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
         return dict(ffn="moe", hidden_act="gelu_exact",
                     moe=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
-                             lb_loss_coef=0.01, z_loss_coef=0.001))
+                             gated=moe_gated, lb_loss_coef=0.01, z_loss_coef=0.001))
     raise ValueError(f"unknown expert variant {kind!r}; expected dense | dense_glu | moleN | moeN")
 
 

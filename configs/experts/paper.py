@@ -16,13 +16,13 @@ RoPE, untied embeddings, no biases, multi-head attention (K = H). Dense and MoLE
 non-gated two-matrix exact-GELU MLP (``ffn="mole"``; ``n_experts=0`` is the dense model).
 Vocabulary: the GPT-NeoX tokenizer (50,277 tokens; Pythia pads the embedding to 50,304).
 
-Deviation — the MoE baselines: the project's MoE layer (``models/moe.py``) has SwiGLU experts
-(three matrices), the paper's MoE experts are non-gated GELU MLPs of width D_s/2 (two matrices).
-To keep the paper's *activated-parameter* equality (2 experts × 2·d·D_s/2 = 2·d·D_s), the
-default ``moe_width="equal_params"`` uses SwiGLU width D_s/3 (2 × 3·d·D_s/3 = 2·d·D_s) with the
-exact-GELU activation; ``moe_width="paper"`` takes D_s/2 literally (1.5× the activated FFN
-parameters). Both MoE baselines use the load-balancing (0.01) and z-loss (0.001) terms as in the
-paper; MoLE uses none.
+MoE baselines as in the paper: Mixtral-like top-2, no shared expert, experts are non-gated
+two-matrix exact-GELU MLPs of width D_r = D_s/2 (``MoEConfig.gated=False``), so 2 experts ×
+2·d·D_s/2 = 2·d·D_s activated FFN parameters, the dense model's. ``moe_gated=True`` switches to
+the HF families' SwiGLU-form experts (width D_s/3 for equal activated parameters with
+``moe_width="equal_params"``, or D_s/2 literally with ``moe_width="paper"``, 1.5× the activated
+parameters) — a deviation kept only for ablations. Both MoE baselines use the load-balancing
+(0.01) and z-loss (0.001) terms as in the paper; MoLE uses none.
 
 Recipe (paper §4.1 / ``pretrain/README.md``): 100B Pile tokens, global batch 1024 × 2048, 50k
 iterations, Adam(0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 (160M) / 3e-4 (410M, 1B) with
@@ -42,14 +42,15 @@ SIZES = {
 KINDS = ("dense", "moe10", "moe34", "mole4", "mole16", "dense_glu")
 
 
-def model(size: str, kind: str, *, vocab_size: int = 50304, moe_width: str = "equal_params", **overrides) -> dict:
+def model(size: str, kind: str, *, vocab_size: int = 50304, moe_width: str = "equal_params", moe_gated: bool = False,
+          **overrides) -> dict:
     if size not in SIZES:
         raise ValueError(f"unknown MoLE paper size {size!r}; expected one of {sorted(SIZES)}")
     s = SIZES[size]
     d = dict(family="llama", vocab_size=vocab_size, d_model=s["d_model"], n_layers=s["n_layers"],
              n_heads=s["n_heads"], n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=2048,
              tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0, hidden_act="gelu_exact")
-    d.update(ffn_fields(kind, s["d_ff"], moe_width=moe_width))
+    d.update(ffn_fields(kind, s["d_ff"], moe_width=moe_width, moe_gated=moe_gated))
     d.update(overrides)
     return _validated(d)
 
@@ -63,9 +64,9 @@ def _validated(d: dict) -> dict:
 def get_config(arg=None):
     """Pre-training config of one Table 2 model (accelerator-sized; ``runlocal`` shrinks the
     schedule for a smoke run of the real shapes)."""
-    a = parse_arg(arg, size="160m", kind="mole4", moe_width="equal_params", runlocal=False)
+    a = parse_arg(arg, size="160m", kind="mole4", moe_width="equal_params", moe_gated=False, runlocal=False)
     c = train_defaults()
-    c.model = model(a.size, a.kind, moe_width=a.moe_width)
+    c.model = model(a.size, a.kind, moe_width=a.moe_width, moe_gated=bool(a.moe_gated))
     c.data.seq_len = 2048
     c.data.batch_size = 1024
     c.optim.lr = SIZES[a.size]["lr"]

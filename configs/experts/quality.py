@@ -33,10 +33,12 @@ import os
 from pallasite.configs import parse_arg, train_defaults
 from pallasite.configs.experts.paper import _validated, ffn_fields
 
-KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4", "dense_glu")
+KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4", "dense_glu", "moe10g", "moe34g")
 SCALES = {
     "cpu": dict(d_model=32, n_layers=2, n_heads=4, d_ff=128, vocab=2048, seq_len=128, batch=16, steps=300,
                 lr=3e-3, train_bytes=3_000_000),
+    "cpu2": dict(d_model=64, n_layers=4, n_heads=4, d_ff=256, vocab=8192, seq_len=128, batch=16, steps=600,
+                 lr=3e-3, train_bytes=8_000_000),
     "gpu": dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, vocab=4096, seq_len=256, batch=32, steps=1000,
                 lr=2e-3, train_bytes=0),
 }
@@ -46,22 +48,24 @@ def model_dict(kind: str, scale: str = "cpu") -> dict:
     s = SCALES[scale]
     d = dict(family="llama", vocab_size=0, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
              n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=1024, tie_embeddings=False, hidden_act="gelu_exact")
-    if kind == "moe16k4":
-        d.update(ffn_fields("moe16", s["d_ff"], top_k=4))
+    if kind == "moe16k4":  # gated: the Occult tools (expert similarity, HF export) expect SwiGLU experts
+        d.update(ffn_fields("moe16", s["d_ff"], top_k=4, moe_gated=True))
+    elif kind.endswith("g") and kind.startswith("moe"):  # moe10g / moe34g: SwiGLU-form ablation
+        d.update(ffn_fields(kind[:-1], s["d_ff"], moe_gated=True))
     else:
         d.update(ffn_fields(kind, s["d_ff"]))
     return _validated(d)
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, kind="mole4", scale="cpu", steps=0, tokenizer="", runlocal=False)
+    a = parse_arg(arg, kind="mole4", scale="cpu", steps=0, seed=0, tokenizer="", runlocal=False)
     if a.kind not in KINDS:
         raise ValueError(f"configs/experts/quality.py: kind={a.kind!r}; expected one of {KINDS}")
     if a.scale not in SCALES:
         raise ValueError(f"configs/experts/quality.py: scale={a.scale!r}; expected one of {sorted(SCALES)}")
     s = SCALES[a.scale]
     c = train_defaults()
-    c.seed = 0
+    c.seed = int(a.seed)
     c.model = model_dict(a.kind, a.scale)
     c.tokenizer.path = a.tokenizer
     c.tokenizer.vocab_size = s["vocab"]
@@ -173,25 +177,30 @@ def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
     return out
 
 
-def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0) -> dict:
-    """Train every variant in ``out/<kind>`` (resumes finished ones) and return their summaries."""
+def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0, seeds=(0,), tokenizer: str = "",
+            results_name: str = "quality.json") -> dict:
+    """Train every (variant, seed) in ``out/<kind>`` (seed 0) or ``out/<kind>_s<seed>`` (resumes
+    finished ones) and return their summaries, keyed ``kind`` / ``kind_s<seed>``. Every run uses
+    one tokenizer: ``tokenizer`` if given, else the first finished run's, else the first run trains it."""
     from pallasite.configs import load_config
     from pallasite.training.loop import train
 
     os.makedirs(out, exist_ok=True)
-    qpath = os.path.join(out, "quality.json")
+    qpath = os.path.join(out, results_name)
     results = json.load(open(qpath)) if os.path.exists(qpath) else {}  # extend an earlier run
-    # one tokenizer for every variant: the first run's (trained on the same train split)
-    tok = next((os.path.join(out, k, "tokenizer") for k in KINDS
-                if os.path.exists(os.path.join(out, k, "tokenizer", "tokenizer.json"))), "")
-    for kind in kinds:
-        cfg = load_config(get_config(f"kind={kind},scale={scale},steps={steps}" + (f",tokenizer={tok}" if tok else "")))
-        res = train(cfg, os.path.join(out, kind))
-        tok = tok or os.path.join(out, kind, "tokenizer")
-        results[kind] = {k: res[k] for k in ("eval_loss", "train_loss", "num_params", "tokens_per_s", "wall_s")}
-        print(json.dumps({kind: results[kind]}), flush=True)
-        with open(qpath, "w") as f:  # after each model: partial runs keep results
-            json.dump(results, f, indent=2)
+    name = lambda k, sd: k if sd == 0 else f"{k}_s{sd}"
+    tok = tokenizer or next((os.path.join(out, k, "tokenizer") for k in KINDS
+                             if os.path.exists(os.path.join(out, k, "tokenizer", "tokenizer.json"))), "")
+    for seed in seeds:
+        for kind in kinds:
+            arg = f"kind={kind},scale={scale},steps={steps},seed={seed}" + (f",tokenizer={tok}" if tok else "")
+            res = train(load_config(get_config(arg)), os.path.join(out, name(kind, seed)))
+            tok = tok or os.path.join(out, name(kind, seed), "tokenizer")
+            results[name(kind, seed)] = {k: res[k] for k in ("eval_loss", "train_loss", "num_params", "tokens_per_s",
+                                                              "wall_s")}
+            print(json.dumps({name(kind, seed): results[name(kind, seed)]}), flush=True)
+            with open(qpath, "w") as f:  # after each model: partial runs keep results
+                json.dump(results, f, indent=2)
     return results
 
 
@@ -201,5 +210,9 @@ if __name__ == "__main__":
     p.add_argument("--scale", default="cpu", choices=sorted(SCALES))
     p.add_argument("--steps", type=int, default=0, help="0 = the scale's default")
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (init and data order)")
+    p.add_argument("--tokenizer", default="", help="a trained tokenizer dir shared by every run")
+    p.add_argument("--results", default="quality.json", help="results file name under --out")
     args = p.parse_args()
-    run_all(args.out, tuple(args.kinds.split(",")), args.scale, args.steps)
+    run_all(args.out, tuple(args.kinds.split(",")), args.scale, args.steps,
+            tuple(int(x) for x in args.seeds.split(",")), args.tokenizer, args.results)

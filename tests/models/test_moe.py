@@ -12,8 +12,8 @@ from pallasite.models.config import ModelConfig
 from pallasite.models.moe import MoE, MoEConfig, capacity_keep, expert_capacity
 
 
-def _layer(seed=0, **moe):
-    cfg = ModelConfig(d_model=16, d_ff=24, ffn="moe", moe=MoEConfig(**moe))
+def _layer(seed=0, hidden_act="silu", **moe):
+    cfg = ModelConfig(d_model=16, d_ff=24, ffn="moe", moe=MoEConfig(**moe), hidden_act=hidden_act)
     return MoE(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -27,12 +27,18 @@ def _apply(layer, x):
 
 
 def _naive(layer, x_BTD):
-    """Per-token loop in float64: softmax → top-k → (renormalise) → Σ w·SwiGLU_e (+ shared)."""
+    """Per-token loop in float64: softmax → top-k → (renormalise) → Σ w·Expert_e (+ shared);
+    Expert_e is SwiGLU-form act(x·gate)·(x·up)·down, or act(x·up)·down for non-gated experts."""
+    import math
+
     m = layer.mcfg
     x = np.asarray(x_BTD, np.float64).reshape(-1, x_BTD.shape[-1])
     R = np.asarray(layer.router[...], np.float64)
-    wg, wu, wd = (np.asarray(v[...], np.float64) for v in (layer.w_gate, layer.w_up, layer.w_down))
+    wu, wd = (np.asarray(v[...], np.float64) for v in (layer.w_up, layer.w_down))
+    wg = None if layer.w_gate is None else np.asarray(layer.w_gate[...], np.float64)
     silu = lambda z: z / (1 + np.exp(-z))
+    gelu_exact = np.vectorize(lambda z: 0.5 * z * (1 + math.erf(z / math.sqrt(2))))
+    act = {"silu": silu, "gelu_exact": gelu_exact}[layer.cfg.hidden_act]
     out = np.zeros_like(x)
     for n in range(x.shape[0]):
         logits = x[n] @ R
@@ -41,7 +47,8 @@ def _naive(layer, x_BTD):
         top = np.argsort(-p, kind="stable")[: m.top_k]
         w = p[top] / (p[top].sum() if m.norm_topk_prob else 1.0)
         for e, we in zip(top, w):
-            out[n] += we * ((silu(x[n] @ wg[e]) * (x[n] @ wu[e])) @ wd[e])
+            h = act(x[n] @ wu[e]) if wg is None else act(x[n] @ wg[e]) * (x[n] @ wu[e])
+            out[n] += we * (h @ wd[e])
         if layer.shared_expert is not None:
             se = layer.shared_expert
             h = silu(x[n] @ np.asarray(se.gate_proj.kernel[...])) * (x[n] @ np.asarray(se.up_proj.kernel[...]))
@@ -55,6 +62,7 @@ def _naive(layer, x_BTD):
     dict(num_experts=4, top_k=2, norm_topk_prob=True),  # Mixtral
     dict(num_experts=6, top_k=2, norm_topk_prob=False, shared_expert_d_ff=20),  # Qwen2-MoE
     dict(num_experts=8, top_k=3, norm_topk_prob=False),  # OLMoE
+    dict(num_experts=10, top_k=2, norm_topk_prob=True, gated=False, hidden_act="gelu_exact"),  # MoLE paper's MoE
 ])
 def test_gating_conventions_match_naive_loop(moe):
     layer = _layer(**moe)
@@ -63,6 +71,19 @@ def test_gating_conventions_match_naive_loop(moe):
     y, aux = _apply(layer, x)
     np.testing.assert_allclose(y, _naive(layer, x), atol=1e-5)
     assert set(aux) == {"moe_lb_loss", "moe_z_loss"}
+
+
+def test_non_gated_experts_have_two_matrices_and_differ_from_gated():
+    """gated=False: no w_gate, activated expert params 2·D·F (the paper's D_s/2 MLPs); a gated
+    layer sharing w_up/w_down gives different outputs (so the naive-loop match above is not vacuous)."""
+    plain = _layer(num_experts=4, top_k=2, gated=False, hidden_act="gelu_exact")
+    assert plain.w_gate is None
+    n_expert = sum(v.size for k, v in nnx.to_flat_state(nnx.state(plain, nnx.Param)) if k[-1] in ("w_up", "w_down"))
+    assert n_expert == 4 * 2 * 16 * 24
+    gated = _layer(num_experts=4, top_k=2, hidden_act="gelu_exact")
+    gated.router[...], gated.w_up[...], gated.w_down[...] = plain.router[...], plain.w_up[...], plain.w_down[...]
+    x = jax.random.normal(jax.random.key(9), (2, 5, 16))
+    assert float(jnp.abs(_apply(plain, x)[0] - _apply(gated, x)[0]).max()) > 1e-3
 
 
 def test_aux_losses_are_weighted_switch_and_z_loss():
@@ -113,10 +134,11 @@ def test_gmm_impls_in_layer_match_ragged_dot(impl):
     np.testing.assert_allclose(_apply(other, x)[0], y_ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.75])
-def test_expert_parallel_equals_single_device(capacity_factor):
-    """8 host devices, E=16 (2 per device), k=4: standard and Occult dispatch, values + grads."""
-    layer = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor)
+@pytest.mark.parametrize("capacity_factor,gated", [(None, True), (0.75, True), (None, False)])
+def test_expert_parallel_equals_single_device(capacity_factor, gated):
+    """8 host devices, E=16 (2 per device), k=4: standard and Occult dispatch, values + grads
+    (SwiGLU-form experts; and the non-gated experts of the MoLE paper's baselines)."""
+    layer = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor, gated=gated)
     gd, st = nnx.split(layer)
     x = jax.random.normal(jax.random.key(5), (8, 6, 16))
 
@@ -131,7 +153,8 @@ def test_expert_parallel_equals_single_device(capacity_factor):
     mesh = sharding.make_mesh({"expert": 8})
     # (Occult with dropped pairs is also covered, per random routing, in test_occult.py)
     for mode in ("standard", "occult") if capacity_factor is None else ("occult",):
-        lay = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor, dispatch=mode)
+        lay = _layer(num_experts=16, top_k=4, shared_expert_d_ff=8, capacity_factor=capacity_factor, dispatch=mode,
+                     gated=gated)
         gd_m, _ = nnx.split(lay)
         with jax.set_mesh(mesh):
             assert "all_to_all" in f.lower(st, x, gd_m).as_text()

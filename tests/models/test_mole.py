@@ -191,16 +191,49 @@ def test_config_roundtrip_and_errors(trained_like):
         MD.with_lut_rows(lut_model, jnp.zeros((1, 4, L, N + 1, D)))
 
 
+def test_dedup_training_path_equals_all_tokens_path():
+    """The training-mode speed-up (experts once per distinct id, gathered back) gives the plain
+    path's loss and gradients, in both branches: few distinct ids (dedup taken) and all ids
+    distinct (more than the cap: the fallback taken)."""
+    from pallasite.models.mole import unique_rows
+
+    ids = jnp.asarray([5, 3, 5, 9, 3, 3, 1, 9], jnp.int32)
+    n, rep_U, slot_X = unique_rows(ids, 6)
+    assert int(n) == 4 and np.array_equal(np.asarray(ids)[np.asarray(rep_U)][np.asarray(slot_X)], np.asarray(ids))
+    few = jnp.asarray(np.random.default_rng(0).integers(1, 9, (2, 16)), jnp.int32)  # ≤ 8 distinct ≤ cap 16
+    distinct = jnp.arange(1, 33, dtype=jnp.int32).reshape(2, 16)  # 32 distinct > cap 16
+    assert int(unique_rows(few.reshape(-1), 16)[0]) <= 16 < int(unique_rows(distinct.reshape(-1), 16)[0])
+    results = {}
+    for frac in (0.0, 0.5):
+        cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, ffn="mole",
+                          mole=MoLEConfig(n_experts=3, dedup_fraction=frac))  # small: the cond compiles both paths
+        model = init_model(cfg, seed=2)
+        g, params = nnx.split(model, nnx.Param)
+
+        def loss_fn(params, toks):
+            return jnp.sum(jnp.sin(nnx.merge(g, params)(toks)[0]))
+
+        f = jax.jit(jax.value_and_grad(loss_fn))
+        results[frac] = [f(params, t) for t in (few, distinct)]
+    for (l0, g0), (l1, g1) in zip(results[0.0], results[0.5]):
+        np.testing.assert_allclose(l1, l0, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="dedup_fraction"):
+        MoLEConfig(dedup_fraction=1.5)
+
+
 @pytest.mark.parametrize("size", ["cpu", "160m", "410m", "1b"])
 def test_expert_configs_equal_activated_params(size):
     """configs/experts: every variant activates the dense FFN's 2·d·D_s parameters per token
-    (MoLE: shared FFN + router; MoE: k gated experts; within 2%), and MoLE's training-time expert
-    parameters match MoE-10E / MoE-34E as in the paper (N=4 ↔ 10E, N=16 ↔ 34E)."""
+    (MoLE: shared FFN + router; MoE: k non-gated experts of width D_s/2, exactly, as in the paper's
+    Table 2; the SwiGLU-form ablation within 2%), and MoLE's training-time expert parameters match
+    MoE-10E / MoE-34E as in the paper (N=4 ↔ 10E, N=16 ↔ 34E)."""
     from pallasite.configs.experts import paper, quality
     from pallasite.models.config import ModelConfig
 
-    def cfg(kind):
-        d = quality.model_dict(kind, "cpu") if size == "cpu" else paper.model(size, kind)
+    def cfg(kind, **kw):
+        d = quality.model_dict(kind, "cpu") if size == "cpu" else paper.model(size, kind, **kw)
         return ModelConfig.from_dict({**d, "vocab_size": d["vocab_size"] or 512})
 
     dense = cfg("dense")
@@ -213,9 +246,11 @@ def test_expert_configs_equal_activated_params(size):
     for kind, e in (("moe10", 10), ("moe34", 34)):
         m = cfg(kind).moe
         assert (m.num_experts, m.top_k) == (e, 2) and m.lb_loss_coef == 0.01 and m.z_loss_coef == 0.001
-        assert abs(m.top_k * 3 * D * m.d_expert / (2 * D * Ds) - 1) < 0.02
-        # training-time expert weights: MoLE-4E ≈ MoE-10E, MoLE-16E ≈ MoE-34E (in units of 2·d·D_s)
+        assert not m.gated and m.d_expert == Ds // 2 and m.top_k * 2 * D * m.d_expert == 2 * D * Ds
+        # training-time expert weights: MoLE-4E = MoE-10E, MoLE-16E = MoE-34E (in units of 2·d·D_s)
         mole_n = {10: 4, 34: 16}[e]
-        assert abs(e * 3 * D * m.d_expert / (2 * D * Ds) - (mole_n + 1)) / (mole_n + 1) < 0.02
+        assert e * 2 * D * m.d_expert == (mole_n + 1) * 2 * D * Ds
+        g = cfg(kind + "g").moe if size == "cpu" else cfg(kind, moe_gated=True).moe  # SwiGLU-form ablation
+        assert g.gated and abs(g.top_k * 3 * D * g.d_expert / (2 * D * Ds) - 1) < 0.02
     glu = cfg("dense_glu")
     assert glu.ffn == "dense" and abs(3 * D * glu.d_ff / (2 * D * Ds) - 1) < 0.02
