@@ -15,7 +15,11 @@ path on CPU, which is integer-exact), 4-bit KV cache with per-head asymmetric gr
 
 Settings. Full (paper): 128 calibration windows × 2048 tokens, 15 epochs, batch 4, eval windows
 of 2048. ``--quick``: 32 windows × 256 tokens, 4 epochs (32 steps per layer instead of 480),
-eval on 24 windows × 512 tokens — stated in the JSON line (``setting``).
+eval on 24 windows × 512 tokens — stated in the JSON line (``setting``). Calibration windows are
+drawn at random from up to 2M tokens of the calibration files; the evaluation windows are the
+first windows of the held-out stream, so runs split over processes (``--no-fp``, ``--methods``)
+score identical windows. ``--checkpoint DIR`` saves FlatQuant's transforms layer by layer and
+resumes from them; ``--weight-quantizer gptq`` gives the "-GPTQ" rows.
 Ends with one JSON line: ``ppl_fp, ppl_rtn, ppl_smoothquant, ppl_hadamard, ppl_flatquant`` (+ details).
 """
 
@@ -102,6 +106,8 @@ def main(argv=None):
     ap.add_argument("--eval-windows", type=int, default=None)
     ap.add_argument("--eval-len", type=int, default=None)
     ap.add_argument("--impl", default="ref", choices=["ref", "pallas"])
+    ap.add_argument("--weight-quantizer", default="rtn", choices=["rtn", "gptq"],
+                    help="gptq: GPTQ weights on the transformed inputs (rows are named ppl_<method>_gptq)")
     ap.add_argument("--no-fp", action="store_true", help="skip the full-precision evaluation (e.g. to split methods "
                                                          "over processes)")
     args = ap.parse_args(argv)
@@ -152,27 +158,31 @@ def main(argv=None):
     if not args.no_fp:
         print(f"fp32: ppl {results['ppl_fp']:.3f} ({time.time() - t_start:.0f}s)", flush=True)
     timings, histories = {}, {}
-    for method in args.methods.split(","):
+    suffix = "" if args.weight_quantizer == "rtn" else "_" + args.weight_quantizer
+    methods = args.methods.split(",")
+    for method in methods:
         t0 = time.time()
         qm = quantize_model(cfg, pure, method, calib_tokens=calib, impl=args.impl,
                             ccfg=CalibConfig(nsamples=calib_n, seq_len=calib_len, batch=args.batch, epochs=epochs),
-                            log=lambda s: print("  " + s, flush=True), checkpoint=args.checkpoint)
+                            log=lambda s: print("  " + s, flush=True), checkpoint=args.checkpoint,
+                            weight_quantizer=args.weight_quantizer)
         t1 = time.time()
         r = ppl_of(qm.graphdef, qm.state, qm.init_cache)
-        results[f"ppl_{method}"] = r["ppl"]
+        results[f"ppl_{method}{suffix}"] = r["ppl"]
         timings[method] = dict(quantize_s=round(t1 - t0, 1), eval_s=round(time.time() - t1, 1))
         if qm.history:
             histories[method] = [[round(h[0], 6), round(h[-1], 6)] for h in qm.history]
-        print(f"{method}: ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
+        print(f"{method}{suffix}: ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
     fp = results.get("ppl_fp", float("nan"))
     print("\n| method | W4A4KV4 ppl | Δ vs FP32 |\n|---|---|---|")
     print(f"| FP32 | {fp:.3f} | — |")
-    for m in args.methods.split(","):
-        print(f"| {m} | {results['ppl_' + m]:.3f} | {results['ppl_' + m] - fp:+.3f} |")
-    d = {m: results["ppl_" + m] - fp for m in args.methods.split(",")}
+    for m in methods:
+        print(f"| {m}{suffix} | {results['ppl_' + m + suffix]:.3f} | {results['ppl_' + m + suffix] - fp:+.3f} |")
+    d = {m: results["ppl_" + m + suffix] - fp for m in methods}
     if {"flatquant", "hadamard", "rtn"} <= set(d):
         results["flatquant_delta_over_hadamard_delta"] = d["flatquant"] / d["hadamard"]
         results["flatquant_delta_over_rtn_delta"] = d["flatquant"] / d["rtn"]
+    setting["weight_quantizer"] = args.weight_quantizer
     results.update(setting=setting, eval_tokens=int(min(len(eval_stream) // eval_len, eval_n or 10**9) * (eval_len - 1)),
                    timings=timings, flatquant_layer_mse_first_last=histories.get("flatquant"),
                    total_s=round(time.time() - t_start, 1), backend=jax.default_backend())

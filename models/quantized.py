@@ -31,10 +31,18 @@ shape of each linear follows from its logical axes: inputs on ``embed``/``mlp`` 
 ``decompose_dim(in)`` (the paper's rule: the factor pair closest to √n), ``o_proj``
 (``q_heads``) uses ``(n_heads, head_dim)`` with a head-mixing left factor.
 
-Deviations (documented, deliberate): q/k/v (and gate/up) each run the shared online transform
-themselves — the math is identical to one shared transform but costs 3× (2×) the transform
-FLOPs, because the model's attention module calls its linears independently; the fused kernel
-keeps that cost small (see benchmarks/quant.py).
+Shared inputs (``QuantConfig.share_inputs``): q/k/v (and gate/up) read the same array and carry
+the same online transform, so the transform runs once per shared input. The attention and FFN
+modules call their linears one by one, so the sharing is a one-slot memo (``_SHARED_INPUT``): the
+first linear called on an input array object computes and stores the result, the next linears
+called on *that same object* with the same factor shape reuse it (any other input recomputes, so
+call order only affects cost, never results). ``build_quantized_state`` enables it only after
+checking that the group members' factors are identical. What is reused depends on the clips:
+when every group member has the same activation clip (``shared_act_clip``: RTN, SmoothQuant,
+Hadamard) the int4 codes and per-token scales of the fused kernel are reused by all three GEMMs;
+FlatQuant's calibrated model has one learned clip per linear (the official recipe), so there the
+transformed activations are shared and each linear quantizes them with its own clip (cheap,
+elementwise; the fused Pallas kernel is then not used for those inputs).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from flax import nnx
 from pallasite.models.config import ModelConfig, register_sub_config
 from pallasite.models.layers import dtype_of, register_linear
 from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4
-from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref
+from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref, quantize_rows_packed
 from pallasite.ops.quant.quantizers import LAC_INIT, fake_quant_act_sym, pack_int4, quantize_act_sym
 
 QUANT_METHODS = ("rtn", "smoothquant", "hadamard", "flatquant")
@@ -85,6 +93,8 @@ class QuantConfig:
     online_transform: bool = True  # Kronecker input transforms in q/k/v, gate/up, down, o
     impl: str = "ref"  # ref | pallas (fused transform+quantize and int GEMM kernels)
     kv_group: int = 128
+    share_inputs: bool = False  # transform (and quantize) a shared q/k/v or gate/up input once
+    shared_act_clip: bool = False  # every linear of a shared input has the same clip: reuse the int4 codes
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -121,6 +131,21 @@ def linear_factor_dims(in_features: int, axes, cfg: ModelConfig) -> tuple[int, i
     return decompose_dim(in_features)
 
 
+# One-slot memo of the last shared input: {"x": input array object, "dims": (n1, n2), "xt": transformed
+# float activations or None, "codes": (packed, scale) or None}. Identity (``is``) of the input
+# object is the key; the slot holds a reference, so the id cannot be recycled while it is stored.
+_SHARED_INPUT: dict = {"x": None}
+
+
+def _shared_transform(x_in, dims, compute_xt, compute_codes, shared_codes: bool):
+    slot = _SHARED_INPUT
+    if slot.get("x") is not x_in or slot.get("dims") != dims or slot.get("shared_codes") != shared_codes:
+        slot.clear()
+        slot.update(x=x_in, dims=dims, shared_codes=shared_codes,
+                    codes=compute_codes() if shared_codes else None, xt=None if shared_codes else compute_xt())
+    return slot
+
+
 class QuantLinear(nnx.Module):
     """Deployed W4A4 linear: online Kronecker transform + per-token int4 activations × int4 weights."""
 
@@ -151,11 +176,18 @@ class QuantLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         q = self.qcfg
+        x_in = x
         x = x.astype(jnp.float32)
         bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
         has_t = self.in_left is not None
         if q.a_bits < 16 and q.w_bits < 16:
-            if has_t:
+            if has_t and q.share_inputs:
+                L, R = self.in_left[...], self.in_right[...]
+                slot = _shared_transform(
+                    x_in, (L.shape[0], R.shape[0]), lambda: kron_transform_ref(x, L, R),
+                    lambda: kron_quantize(x, L, R, self.act_clip[...], impl=q.impl), q.shared_act_clip)
+                xq, xs = slot["codes"] if q.shared_act_clip else quantize_rows_packed(slot["xt"], self.act_clip[...])
+            elif has_t:
                 xq, xs = kron_quantize(x, self.in_left[...], self.in_right[...], self.act_clip[...], impl=q.impl)
             else:
                 qx, sx = quantize_act_sym(x, self.act_clip[...])
@@ -294,6 +326,9 @@ def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[d
     from pallasite.models.transformer import abstract_model
     from pallasite.ops.quant.quantizers import quantize_weight_sym
 
+    if qcfg.share_inputs:
+        qcfg = dataclasses.replace(qcfg, share_inputs=_groups_share_factors(folded_layers),
+                                   shared_act_clip=_groups_share_clips(folded_layers))
     cfg_q = quantized_config(cfg, qcfg)
     _, abstract_state = nnx.split(abstract_model(cfg_q))
     pure = abstract_state.to_pure_dict()
@@ -328,6 +363,26 @@ def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[d
             clip = f["lac"].get(name)
             p["act_clip"] = np.full((2,), 30.0, np.float32) if clip is None else np.asarray(clip, np.float32)
     return cfg_q, pure
+
+
+SHARED_GROUPS = (("q", "k", "v"), ("gate", "up"))
+
+
+def _groups_share_factors(folded_layers: list[dict]) -> bool:
+    def same(a, b):
+        if a is None or b is None:
+            return a is None and b is None
+        return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+    return all(same(f["online"].get(g[0]), f["online"].get(n)) for f in folded_layers for g in SHARED_GROUPS for n in g)
+
+
+def _groups_share_clips(folded_layers: list[dict]) -> bool:
+    def clip(f, n):
+        c = f["lac"].get(n)
+        return None if c is None else np.asarray(c)
+    return all((clip(f, g[0]) is None and clip(f, n) is None) or
+               (clip(f, g[0]) is not None and clip(f, n) is not None and np.array_equal(clip(f, g[0]), clip(f, n)))
+               for f in folded_layers for g in SHARED_GROUPS for n in g)
 
 
 def kv_transforms(cfg: ModelConfig, resolved_layers: list[dict]) -> dict:

@@ -165,12 +165,13 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
                    ccfg: CalibConfig = CalibConfig(), w_bits: int = 4, a_bits: int = 4, kv_bits: int = 4,
                    impl: str = "ref", resolved: Optional[list] = None, seed: int = 0,
                    log: Callable[[str], None] = print, checkpoint: Optional[str] = None,
-                   weight_quantizer: str = "rtn") -> QuantizedModel:
+                   weight_quantizer: str = "rtn", share_inputs: bool = True) -> QuantizedModel:
     """FP pure state dict → deployed W4A4KV4 model for ``method`` (rtn | smoothquant | hadamard | flatquant).
 
     ``weight_quantizer``: ``"rtn"`` (round-to-nearest) or ``"gptq"`` (GPTQ on the transformed,
     clipped weights with Hessians of their transformed inputs over ``calib_tokens``; the paper's
-    "-GPTQ" rows). ``checkpoint``: FlatQuant's per-layer calibration directory (resumable)."""
+    "-GPTQ" rows). ``checkpoint``: FlatQuant's per-layer calibration directory (resumable).
+    ``share_inputs``: transform the shared q/k/v and gate/up inputs once (``QuantConfig.share_inputs``)."""
     check_quantizable(cfg)
     if weight_quantizer not in ("rtn", "gptq"):
         raise ValueError(f"quantize_model: weight_quantizer={weight_quantizer!r}; expected 'rtn' or 'gptq'")
@@ -196,7 +197,8 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
         else:
             raise ValueError(f"quantize_model: unknown method {method!r}; expected rtn | smoothquant | hadamard | flatquant")
     online = method in ("hadamard", "flatquant")
-    qcfg = QuantConfig(method=method, w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, online_transform=online, impl=impl)
+    qcfg = QuantConfig(method=method, w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, online_transform=online, impl=impl,
+                       share_inputs=share_inputs and online)
     folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16) for i, t in enumerate(resolved)]
     wq = None
     if weight_quantizer == "gptq" and w_bits < 16:

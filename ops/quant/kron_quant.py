@@ -65,8 +65,14 @@ def kron_transform_ref(x_TN: jax.Array, p1: jax.Array, p2: jax.Array) -> jax.Arr
 def kron_quantize_ref(x_TN, p1, p2, clip_logits: Optional[jax.Array] = None, *, bits: int = 4):
     """Reference: transform in float32, then the per-token symmetric quantizer, then pack."""
     y = kron_transform_ref(x_TN.astype(jnp.float32), p1.astype(jnp.float32), p2.astype(jnp.float32))
+    return quantize_rows_packed(y, clip_logits, bits=bits)
+
+
+def quantize_rows_packed(y_TN, clip_logits: Optional[jax.Array] = None, *, bits: int = 4):
+    """The quantize + pack half of ``kron_quantize_ref`` on already-transformed rows: lets linears
+    that share one transformed input but have their own clip logits quantize it separately."""
     cmax, cmin = _clip_factors(clip_logits)
-    q, scale = _quant_rows(y, cmax, cmin, bits)
+    q, scale = _quant_rows(y_TN.astype(jnp.float32), cmax, cmin, bits)
     return pack_int4(q), scale[..., 0]
 
 

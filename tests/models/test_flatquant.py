@@ -254,3 +254,42 @@ def test_gptq_lowers_layer_output_error_vs_rtn_on_the_same_transform():
     assert e_gptq4 < e_rtn4, (e_gptq4, e_rtn4)
     with pytest.raises(ValueError, match="weight_quantizer='awq'"):
         quantize_model(cfg, pure, "rtn", weight_quantizer="awq")
+
+
+@pytest.mark.parametrize("per_linear_clips", [False, True])
+def test_shared_input_transform_keeps_logits_equal(tiny, per_linear_clips):
+    """q/k/v and gate/up transform their shared input once: logits equal the unshared model's.
+    Equal clips (Hadamard) reuse the int4 codes; per-linear clips (FlatQuant) share the transformed
+    activations and quantize them per linear. Negative control: a group whose members' factors
+    differ is not shared."""
+    import pallasite.models.quantized as mq
+
+    _, _, pure, tokens = tiny
+    resolved = hadamard_transforms(CFG, 0)
+    if per_linear_clips:
+        rng = np.random.default_rng(0)
+        resolved = [dict(t, lac={n: rng.uniform(1.0, 3.0, 2) for n in fq.LINEARS}) for t in resolved]
+    out = {}
+    for share in (False, True):
+        qm = quantize_model(CFG, pure, "hadamard", resolved=resolved, share_inputs=share)
+        assert qm.cfg.quant.share_inputs == share and qm.cfg.quant.shared_act_clip == (share and not per_linear_clips)
+        calls = []
+        orig = mq._shared_transform
+
+        def spy(*a, **k):
+            hit = mq._SHARED_INPUT.get("x") is a[0]
+            calls.append(hit)
+            return orig(*a, **k)
+        mq._shared_transform = spy
+        try:
+            out[share] = np.asarray(forward(qm.graphdef, qm.state, jnp.asarray(tokens),
+                                            cache=qm.init_cache(*tokens.shape))[0])
+        finally:
+            mq._shared_transform = orig
+        if share:  # per layer: q misses, k and v hit, o misses; gate misses, up hits, down misses
+            assert calls == [False, True, True, False, False, True, False] * CFG.n_layers, calls
+    np.testing.assert_array_equal(out[True], out[False])
+    # negative control: different factors inside a group disable sharing
+    folded = [fold_layer(layer_weights(pure, CFG, i), t, CFG) for i, t in enumerate(resolved)]
+    folded[1]["online"]["up"] = tuple(np.asarray(a) * 2 for a in folded[1]["online"]["up"])
+    assert not mq._groups_share_factors(folded) and mq._groups_share_factors(folded[:1])
