@@ -11,8 +11,8 @@ Five systems (plus one reference), same activated parameters, same random weight
 (``inference.engine.run_decode``: jitted prefill + ``while_loop`` decode):
 
 * ``dense``       — the paper's dense model (non-gated exact-GELU FFN of width D_s; MoLE N = 0).
-* ``moe``         — MoE-10E top-2 (``models/moe.py``, SwiGLU experts of width D_s/3: equal
-                    activated parameters), every expert resident on the device.
+* ``moe``         — MoE-10E top-2 (``models/moe.py``, the paper's non-gated exact-GELU experts of
+                    width D_s/2: equal activated parameters), every expert resident on the device.
 * ``moe_offload`` — the same MoE with the expert weights in host RAM: each layer routes on the
                     device, a host callback receives the selected expert ids and returns
                     their weights (the unique experts of the step, in a static buffer of
@@ -26,8 +26,13 @@ Five systems (plus one reference), same activated parameters, same random weight
                     the graph (``serve_on_device``). It separates MoLE's own compute from the
                     cost of the per-step host round trip.
 
-Reported per system and batch size: per-token decode latency = (time of prefill + n steps −
-time of prefill + 1 step) / (n − 1), best of ``--reps``; device-resident parameter bytes
+Reported per system and batch size: per-token decode latency = time of the engine's compiled
+decode loop (n − 1 steps after the prefill's first token) / (n − 1), best of the repetitions.
+Repetitions are interleaved round-robin over every (batch, system), so load drift on a shared
+machine hits all systems alike; the MoLE / dense ratios are also reported as the median of the
+per-repetition ratios (``*_median``), which is the more robust figure on a noisy machine.
+``--quick`` compiles fewer variants (batch > 1: dense, MoE-offloaded, MoLE host / device only)
+and stops repeating after ``--time-budget`` seconds of timing (default 40 s; at least 2 reps); device-resident parameter bytes
 (``nnx.Param`` leaves on the device; the KV cache is the same for all and not counted; for
 ``moe_offload`` the static per-layer expert buffer is added); bytes moved host→device per
 generated token (counted in the callbacks; for ``moe_offload`` both the buffer actually
@@ -91,7 +96,8 @@ class HostExperts:
     in a static buffer of ``slots`` rows plus the remapped slot ids (host callback)."""
 
     def __init__(self, w_gate, w_up, w_down, slots: int, stats: dict):
-        self.w = (np.asarray(w_gate), np.asarray(w_up), np.asarray(w_down))
+        # (gate, up, down) for SwiGLU-form experts, (up, down) for non-gated ones (w_gate None)
+        self.w = tuple(np.asarray(w) for w in (w_gate, w_up, w_down) if w is not None)
         self.slots, self.stats = slots, stats  # slots of a decode step (T = 1)
         self.expert_bytes = sum(a[0].nbytes for a in self.w)
 
@@ -121,11 +127,12 @@ class OffloadedMoE(nnx.Module):
         x = x_BTD.reshape(B * T, D).astype(self.dtype)
         logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         _, w, e = route(logits, self.top_k, norm_topk_prob=self.norm)
-        wg, wu, wd = self.host.w
-        U = min(wg.shape[0], B * T * self.top_k)  # static: at most this many distinct experts
-        shapes = (jax.ShapeDtypeStruct((U,) + wg.shape[1:], wg.dtype), jax.ShapeDtypeStruct((U,) + wu.shape[1:], wu.dtype),
-                  jax.ShapeDtypeStruct((U,) + wd.shape[1:], wd.dtype), jax.ShapeDtypeStruct(e.shape, jnp.int32))
-        g_b, u_b, d_b, local = jax.pure_callback(self.host.fetch, shapes, e, vmap_method="sequential")
+        ws = self.host.w
+        U = min(ws[0].shape[0], B * T * self.top_k)  # static: at most this many distinct experts
+        shapes = tuple(jax.ShapeDtypeStruct((U,) + a.shape[1:], a.dtype) for a in ws) + (
+            jax.ShapeDtypeStruct(e.shape, jnp.int32),)
+        *bufs, local = jax.pure_callback(self.host.fetch, shapes, e, vmap_method="sequential")
+        g_b, u_b, d_b = bufs if len(bufs) == 3 else (None, *bufs)
         y = expert_ffn_rows(x, local, w, g_b, u_b, d_b, act=activation(self.act_name))
         return y.reshape(B, T, D), {}
 
@@ -136,7 +143,7 @@ def offload_moe(model, batch_size: int, stats: dict):
     slots = min(m.num_experts, batch_size * m.top_k)  # decode steps: T = 1
     for block in model.layers:
         f = block.ffn
-        host = HostExperts(f.w_gate[...], f.w_up[...], f.w_down[...], slots, stats)
+        host = HostExperts(None if f.w_gate is None else f.w_gate[...], f.w_up[...], f.w_down[...], slots, stats)
         block.ffn = OffloadedMoE(f, host, m.top_k, m.norm_topk_prob, cfg.hidden_act, jnp.dtype(cfg.dtype))
     return model
 
@@ -185,6 +192,7 @@ class DecodeTimer:
 
     def rep(self):
         self.times.append(self.run() / (self.n_new - 1))
+        return self.times[-1]
 
     @property
     def latency(self) -> float:
@@ -193,16 +201,20 @@ class DecodeTimer:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoLE vs dense vs MoE decode latency / memory")
-    p.add_argument("--quick", action="store_true", help="small model, 16 new tokens, 2 reps (< 3 min on CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="small model, 32 new tokens, fewer b>1 variants, ≤ 6 reps within --time-budget (< 3 min on CPU)")
     p.add_argument("--size", default=None, choices=sorted(SIZES))
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="stop repeating after this many seconds of timing (≥ 2 reps); quick default 40")
     a = p.parse_args(argv)
     size = a.size or ("quick" if a.quick else "small")
     n_new = a.new_tokens or (32 if a.quick else 64)
-    reps = a.reps or (3 if a.quick else 5)
+    reps = a.reps or (6 if a.quick else 5)
+    budget = a.time_budget if a.time_budget is not None else (40.0 if a.quick else float("inf"))
     batches = [int(b) for b in a.batches.split(",")]
     t_start = time.time()
     print(f"# experts benchmark: size={size} {SIZES[size]} backend={jax.default_backend()} "
@@ -252,15 +264,22 @@ def main(argv=None):
 
             systems[name] = (lm, reset_store, "lut")
         systems["mole_device"] = (mole_dev, None, "lut_device")
+        if a.quick and B > 1:  # fewer compiles: the batch-1 JSON keys need every system, b > 1 the MoLE/dense pair
+            systems = {k: v for k, v in systems.items() if k in ("dense", "moe_offload", "mole_host", "mole_device")}
         for name, (model, reset, kind) in systems.items():
             t0 = time.time()
             timers[(B, name)] = (DecodeTimer(model, prompts, n_new, reset), model, kind)
             print(f"# compiled b={B} {name} in {time.time() - t0:.1f}s", file=sys.stderr)
         keep.append(systems)
     # round-robin repetitions: load drift on a shared machine hits every system alike
-    for _ in range(reps):
-        for timer, _, _ in timers.values():
-            timer.rep()
+    t_timing, per_rep = time.time(), []
+    for i in range(reps):
+        per_rep.append({key: timer.rep() for key, (timer, _, _) in timers.items()})
+        if i >= 1 and time.time() - t_timing > budget:
+            break
+    results["reps_done"] = len(per_rep)
+    results["timing_s"] = time.time() - t_timing
+    print(f"# timed {len(per_rep)} interleaved reps in {results['timing_s']:.1f}s", file=sys.stderr)
 
     rows = []
     for (B, name), (timer, model, kind) in timers.items():
@@ -270,7 +289,7 @@ def main(argv=None):
         r = {"latency_ms": 1e3 * lat, "device_param_bytes": dev_bytes}
         if kind == "offload":
             hosts = [blk.ffn.host for blk in model.layers]
-            buf = sum(h.w[0][0].nbytes + h.w[1][0].nbytes + h.w[2][0].nbytes for h in hosts) * hosts[0].slots
+            buf = sum(sum(a[0].nbytes for a in h.w) for h in hosts) * hosts[0].slots
             r["device_param_bytes"] = dev_bytes + buf  # the static expert buffers live on the device
             r["h2d_bytes_per_token"] = cnt["buffer_bytes"] / (steps * B)
             r["needed_bytes_per_token"] = cnt["unique_bytes"] / (steps * B)
@@ -308,6 +327,13 @@ def main(argv=None):
         results["moe_resident_vs_dense_latency"] = b1("moe") / b1("dense")
         results["mole_device_bytes_vs_dense"] = b1("mole_host", "device_param_bytes") / b1("dense", "device_param_bytes")
         results["moe_device_bytes_vs_dense"] = b1("moe", "device_param_bytes") / b1("dense", "device_param_bytes")
+    for B in batches:  # per-repetition ratios (same round of the interleaved loop), median over rounds
+        for name in ("mole_host", "mole_disk", "mole_device"):
+            if (B, name) in timers:
+                ratios = [r[(B, name)] / r[(B, "dense")] for r in per_rep]
+                results[f"{name}_vs_dense_b{B}_per_rep"] = [round(x, 3) for x in ratios]
+                results[f"{name}_vs_dense_b{B}_median"] = float(np.median(ratios))
+                results[f"{name}_vs_dense_b{B}_best"] = S[name][f"b{B}"]["latency_ms"] / S["dense"][f"b{B}"]["latency_ms"]
         results["mole_h2d_bytes_per_token"] = b1("mole_host", "h2d_bytes_per_token")
         results["moe_offload_h2d_bytes_per_token"] = b1("moe_offload", "h2d_bytes_per_token")
     results["lut_bytes"] = host_lut.nbytes

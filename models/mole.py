@@ -34,6 +34,12 @@ Defaults and deviations (all deliberate, all stated):
   width D_s, no router): the core ``DenseFFN`` is SwiGLU, so this keeps the dense baseline
   architecturally identical to MoLE minus the experts (needed for the equal-activated-
   parameter comparisons and for the "device bytes = dense + routers" check).
+* Training-mode compute (exact rewrites, same values and gradients up to float summation order,
+  ``tests/models/test_mole.py::test_dedup_training_path_equals_all_tokens_path``): the gate-weighted
+  expert sum is two plain GEMMs over the experts' flattened weights (``mixed_experts_forward``)
+  and the experts' up-projection + GELU run once per distinct token id of the batch
+  (``dedup_mixed_experts``, ``MoLEConfig.dedup_fraction``). The official code runs every expert on
+  every token; the result is the same because the experts only see the id's embedding.
 * Parameters follow the seams: the shared FFN uses ``make_linear`` (so FP4 / W4A4 linear kinds
   apply to it), the router and the stacked experts are plain parameters (they are never
   quantized: experts vanish into the LUT before inference).

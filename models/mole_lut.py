@@ -282,14 +282,24 @@ class LUTStore:
         self._stats = {"gathers": 0, "tokens": 0, "bytes_read": 0, "bytes_to_device": 0}
 
     def host_fetch(self, ids) -> tuple:
-        """``fetch`` plus counters (the host side of ``LUTServing``'s callback)."""
+        """``fetch`` plus counters (the host side of ``LUTServing``'s callback, once per decode
+        step: kept to one id check, one gather per stored array and integer counter updates;
+        no per-call reductions over the payload)."""
+        ids = np.asarray(ids)
         payload = self.fetch(ids)
         st = self.stats
+        n_bytes = ids.size * self._row_nbytes()
         st["gathers"] += 1
-        st["tokens"] += int(np.asarray(ids).size)
-        st["bytes_read"] += int(sum(p.nbytes for p in payload))
-        st["bytes_to_device"] += int(sum(p.nbytes for p in payload))
+        st["tokens"] += ids.size
+        st["bytes_read"] += n_bytes
+        st["bytes_to_device"] += n_bytes
         return payload
+
+    def _row_nbytes(self) -> int:
+        """Bytes of one token's payload (codes + scales for NF stores), cached."""
+        if getattr(self, "_row_nbytes_cache", None) is None:
+            self._row_nbytes_cache = int(sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in self._arrays()))
+        return self._row_nbytes_cache
 
     def payload_shapes(self, lead: tuple) -> tuple:
         """ShapeDtypeStructs of ``fetch(ids)`` for ids of shape ``lead``."""
@@ -297,7 +307,8 @@ class LUTStore:
 
     def fetch(self, ids) -> tuple:
         ids = np.asarray(ids)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.meta.vocab_size):
+        # one reduction checks both bounds: negative ids wrap to huge unsigned values
+        if ids.size and int(ids.astype(np.uint64, copy=False).max()) >= self.meta.vocab_size:
             raise ValueError(f"LUT fetch: token ids must lie in [0, {self.meta.vocab_size}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         return tuple(np.asarray(a[ids]) for a in self._arrays())
