@@ -169,6 +169,9 @@ _SHARED = [(("shared_expert", "gate_proj", "kernel"), "mlp.shared_expert.gate_pr
 
 def _moe_to_hf(cfg, ffn_params, prefix, layer):
     n = _names(cfg)
+    if ("w_gate",) not in ffn_params:
+        raise ValueError(f"export_hf: layer {layer} has non-gated MoE experts (MoEConfig.gated=False); {cfg.family} "
+                         "checkpoints hold SwiGLU experts (gate/up/down), so this model has no HF layout")
     out = {prefix + n["gate"]: linear_to_hf(ffn_params[("router",)])}
     for key in ("w_gate", "w_up", "w_down"):
         stacked = ffn_params[(key,)]

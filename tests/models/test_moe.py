@@ -134,7 +134,8 @@ def test_gmm_impls_in_layer_match_ragged_dot(impl):
     np.testing.assert_allclose(_apply(other, x)[0], y_ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("capacity_factor,gated", [(None, True), (0.75, True), (None, False)])
+@pytest.mark.parametrize("capacity_factor,gated", [(None, True), (0.75, True),
+                                                   pytest.param(None, False, marks=pytest.mark.slow)])
 def test_expert_parallel_equals_single_device(capacity_factor, gated):
     """8 host devices, E=16 (2 per device), k=4: standard and Occult dispatch, values + grads
     (SwiGLU-form experts; and the non-gated experts of the MoLE paper's baselines)."""

@@ -111,3 +111,16 @@ def test_placement_permuted_checkpoint_keeps_pytorch_logits(tiny, tmp_path):
     assert not np.array_equal(w0, w1)  # the experts really moved on disk
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     np.testing.assert_allclose(pt_logits(reloaded, IDS), ref, atol=1e-5)
+
+
+def test_non_gated_experts_have_no_hf_layout():
+    """The MoLE paper's non-gated MoE experts (MoEConfig.gated=False) cannot be written as a Mixtral / Qwen
+    checkpoint (those hold SwiGLU gate/up/down experts): export fails naming the layer and the cause."""
+    from pallasite.models import hf_moe
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.moe import MoEConfig
+
+    cfg = ModelConfig(family="mixtral", d_model=8, d_ff=16, ffn="moe", moe=MoEConfig(num_experts=2, gated=False))
+    params = {("router",): np.zeros((8, 2)), ("w_up",): np.zeros((2, 8, 16)), ("w_down",): np.zeros((2, 16, 8))}
+    with pytest.raises(ValueError, match=r"layer 0 has non-gated MoE experts"):
+        hf_moe._moe_to_hf(cfg, params, "model.layers.0.", 0)
