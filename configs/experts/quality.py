@@ -10,17 +10,22 @@ embeddings, byte-level BPE trained on the stdlib corpus by the first run and sha
 
 * ``scale=cpu`` (default; a 2-core laptop, minutes per model): L = 2, d = 32, 4 heads,
   D_s = 128, vocab 2048, 128 × 16 tokens per step, 300 steps.
+* ``scale=cpu2`` (the run in docs/experts.md, ≈ 40–50 min per model on the shared 2-core box): L = 4,
+  d = 64, 4 heads, D_s = 256, vocab 8192 (V/d = 128, so the lookup experts have many per-token rows to
+  learn), 16 × 128 tokens per step, 600 steps (1.2M tokens) from an 8 MB train subset.
 * ``scale=gpu`` (one accelerator, about a minute per model): L = 4, d = 128, 4 heads, D_s = 512,
   vocab 4096, 256 × 32 tokens per step, 1000 steps.
 
 Per layer, activated FFN parameters: dense 2·d·D_s; MoLE the same + d·N (router); MoE top-2:
-2 SwiGLU experts of width round(D_s/3) (+ router d·E) — see configs/experts/paper.py for why
-the SwiGLU width is D_s/3. Training-time expert parameters: MoLE-4E ≈ MoE-10E (5 FFN widths),
-MoLE-16E ≈ MoE-34E (17), as in the paper.
+2 non-gated exact-GELU experts of width D_s/2 (+ router d·E), the paper's Table 2 baselines.
+Training-time expert parameters: MoLE-4E = MoE-10E (5 FFN widths), MoLE-16E = MoE-34E (17), as in
+the paper. ``--seeds 0,1`` repeats a comparison over seeds (init and data order; runs of seed s > 0
+go to ``<kind>_s<s>``).
 
-Variants (``kind``): dense, moe10, moe34, mole4, mole16, ``moe16k4`` (16 experts, top-4, width
-D_s/6: a trained routing with k ≥ 4 for the Occult benchmark, saved with its checkpoint) and
-``dense_glu`` (control: the core's gated FFN, GeGLU of width 2·D_s/3 — the MoE experts' form — at
+Variants (``kind``): dense, moe10, moe34, mole4, mole16, ``moe16k4`` (16 experts, top-4, SwiGLU-form
+width D_s/6: a trained routing with k ≥ 4 for the Occult benchmark, saved with its checkpoint) and
+``moe10g`` / ``moe34g`` (the SwiGLU-form MoE of the earlier run: width D_s/3, equal activated
+parameters; an ablation) and ``dense_glu`` (control: the core's gated FFN, GeGLU of width 2·D_s/3 — the MoE experts' form — at
 the dense model's activated parameters, to separate "gated vs non-gated FFN" from "experts").
 """
 
