@@ -7,7 +7,10 @@ every head) at the same KV memory.
 
 Measured (docs/attention.md): at 1088 tokens, B = 384, r = 0.4, 12 prompts: full 10/12, CateKV
 10/12, inverted 10/12, window 7/12. At 2048 tokens (B = 512) the model itself fails most prompts
-(full 2/8), so that setting says nothing about the cache.
+(full 2/8), so that setting says nothing about the cache. ``--task copy`` (a marked line to be
+copied; the 135M model solves it at 2k–4k) at 4160 tokens, B = 1024: see docs/attention.md
+(6 prompts: full, CateKV, per-layer and inverted masks 6/6; the memory-matched window 2/6, the
+prompts whose needle lies inside it).
 
 How it runs (CPU friendly): the prompt is prefilled into a *dense* cache in chunks (bounded
 attention memory), the last 64 prompt tokens go through a recorder cache that also keeps their
