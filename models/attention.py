@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import RMSNorm, make_linear
+from pallasite.models.layers import RMSNorm, make_linear, prepare_shared_input
 from pallasite.models.rope import apply_rope
 from pallasite.ops.attention import attention
 
@@ -48,12 +48,13 @@ class Attention(nnx.Module):
     ):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q, k = self.q_proj(x_BTD), self.k_proj(x_BTD)
+        x_in = prepare_shared_input(self.q_proj, x_BTD)  # q, k and v read one input
+        q, k = self.q_proj(x_in), self.k_proj(x_in)
         if self.q_norm is not None and cfg.qk_norm_scope == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, cfg.n_heads, cfg.dh)
         k = k.reshape(B, T, cfg.n_kv_heads, cfg.dh)
-        v = self.v_proj(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.dh)
+        v = self.v_proj(x_in).reshape(B, T, cfg.n_kv_heads, cfg.dh)
         if self.q_norm is not None and cfg.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import activation, make_linear
+from pallasite.models.layers import activation, make_linear, prepare_shared_input
 
 
 class DenseFFN(nnx.Module):
@@ -30,7 +30,8 @@ class DenseFFN(nnx.Module):
         self.down_proj = make_linear(d_ff, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, *, token_ids_BT=None, embed_BTD=None):
-        return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)), {}
+        x_in = prepare_shared_input(self.gate_proj, x_BTD)  # gate and up read one input
+        return self.down_proj(self.act(self.gate_proj(x_in)) * self.up_proj(x_in)), {}
 
 
 FFN_REGISTRY: dict[str, Callable[..., nnx.Module]] = {"dense": DenseFFN}

@@ -70,6 +70,18 @@ def register_linear(kind: str, cls: Callable[..., nnx.Module]) -> None:
     LINEAR_KINDS[kind] = cls
 
 
+def prepare_shared_input(first_linear: nnx.Module, x: jax.Array):
+    """The input of a group of linears that read the same array (q/k/v; gate/up).
+
+    A linear kind may precompute once what every member of the group needs (``QuantLinear``: the
+    online transform and int4 quantization, FlatQuant's shared transforms) by defining
+    ``prepare_shared_input(x)``; the group's linears then accept the returned value. For every
+    other kind this is ``x`` itself.
+    """
+    prepare = getattr(first_linear, "prepare_shared_input", None)
+    return x if prepare is None else prepare(x)
+
+
 def make_linear(in_features, out_features, *, cfg: ModelConfig, axes, use_bias=False, init_std=0.02, rngs):
     try:
         cls = LINEAR_KINDS[cfg.linear]

@@ -32,17 +32,16 @@ shape of each linear follows from its logical axes: inputs on ``embed``/``mlp`` 
 (``q_heads``) uses ``(n_heads, head_dim)`` with a head-mixing left factor.
 
 Shared inputs (``QuantConfig.share_inputs``): q/k/v (and gate/up) read the same array and carry
-the same online transform, so the transform runs once per shared input. The attention and FFN
-modules call their linears one by one, so the sharing is a one-slot memo (``_SHARED_INPUT``): the
-first linear called on an input array object computes and stores the result, the next linears
-called on *that same object* with the same factor shape reuse it (any other input recomputes, so
-call order only affects cost, never results). ``build_quantized_state`` enables it only after
-checking that the group members' factors are identical. What is reused depends on the clips:
-when every group member has the same activation clip (``shared_act_clip``: RTN, SmoothQuant,
-Hadamard) the int4 codes and per-token scales of the fused kernel are reused by all three GEMMs;
-FlatQuant's calibrated model has one learned clip per linear (the official recipe), so there the
-transformed activations are shared and each linear quantizes them with its own clip (cheap,
-elementwise; the fused Pallas kernel is then not used for those inputs).
+the same online transform, so the transform runs once per shared input: the attention and FFN
+modules pass their input through ``layers.prepare_shared_input`` (``QuantLinear.
+prepare_shared_input`` returns a ``SharedQuantInput`` pytree) and every linear of the group
+consumes that. ``build_quantized_state`` enables it only after checking that the group members'
+factors are identical (each linear also checks the factor shape it is handed). What is shared
+depends on the clips: when every group member has the same activation clip (``shared_act_clip``:
+RTN, SmoothQuant, Hadamard) the int4 codes and per-token scales of the fused kernel are reused by
+all three GEMMs; FlatQuant's calibrated model has one learned clip per linear (the official
+recipe), so there the transformed activations are shared and each linear quantizes them with its
+own clip (cheap, elementwise; the fused Pallas kernel is then not used for those inputs).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from pallasite.models.config import ModelConfig, register_sub_config
 from pallasite.models.layers import dtype_of, register_linear
@@ -131,19 +130,16 @@ def linear_factor_dims(in_features: int, axes, cfg: ModelConfig) -> tuple[int, i
     return decompose_dim(in_features)
 
 
-# One-slot memo of the last shared input: {"x": input array object, "dims": (n1, n2), "xt": transformed
-# float activations or None, "codes": (packed, scale) or None}. Identity (``is``) of the input
-# object is the key; the slot holds a reference, so the id cannot be recycled while it is stored.
-_SHARED_INPUT: dict = {"x": None}
+@struct.dataclass
+class SharedQuantInput:
+    """What the linears of one shared-input group (q/k/v, gate/up) consume, computed once.
 
-
-def _shared_transform(x_in, dims, compute_xt, compute_codes, shared_codes: bool):
-    slot = _SHARED_INPUT
-    if slot.get("x") is not x_in or slot.get("dims") != dims or slot.get("shared_codes") != shared_codes:
-        slot.clear()
-        slot.update(x=x_in, dims=dims, shared_codes=shared_codes,
-                    codes=compute_codes() if shared_codes else None, xt=None if shared_codes else compute_xt())
-    return slot
+    ``codes`` (packed int4, per-token scales) when the group shares one activation clip, else the
+    transformed float activations ``x_t`` that each linear quantizes with its own clip.
+    """
+    dims: tuple = struct.field(pytree_node=False)  # (n1, n2) of the Kronecker transform applied
+    x_t: Optional[jax.Array] = None
+    codes: Optional[tuple] = None
 
 
 class QuantLinear(nnx.Module):
@@ -174,20 +170,35 @@ class QuantLinear(nnx.Module):
             self.in_left = self.in_right = None
         self.act_clip = nnx.Param(jnp.full((2,), LAC_INIT, jnp.float32), logical_axes=(None,))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _shares_input(self) -> bool:
         q = self.qcfg
-        x_in = x
-        x = x.astype(jnp.float32)
+        return q.share_inputs and self.in_left is not None and q.a_bits < 16 and q.w_bits < 16
+
+    def prepare_shared_input(self, x: jax.Array):
+        """Transform (and, with one clip per group, quantize) an input read by the whole group."""
+        if not self._shares_input():
+            return x
+        q, L, R = self.qcfg, self.in_left[...], self.in_right[...]
+        x32, dims = x.astype(jnp.float32), (L.shape[0], R.shape[0])
+        if q.shared_act_clip:
+            return SharedQuantInput(dims=dims, codes=kron_quantize(x32, L, R, self.act_clip[...], impl=q.impl))
+        return SharedQuantInput(dims=dims, x_t=kron_transform_ref(x32, L, R))
+
+    def __call__(self, x) -> jax.Array:
+        """``x``: the float input, or a ``SharedQuantInput`` from the group's ``prepare_shared_input``."""
+        q = self.qcfg
         bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
+        if isinstance(x, SharedQuantInput):
+            dims = None if self.in_left is None else (self.in_left[...].shape[0], self.in_right[...].shape[0])
+            if not self._shares_input() or x.dims != dims:
+                raise ValueError(f"QuantLinear: handed a shared input transformed with factors {x.dims}, but this "
+                                 f"linear's transform is {dims} (share_inputs={q.share_inputs})")
+            xq, xs = x.codes if x.codes is not None else quantize_rows_packed(x.x_t, self.act_clip[...])
+            return int_gemm(xq, xs, self.kernel[...], self.w_scale[...], bias, impl=q.impl).astype(self.dtype)
+        x = x.astype(jnp.float32)
         has_t = self.in_left is not None
         if q.a_bits < 16 and q.w_bits < 16:
-            if has_t and q.share_inputs:
-                L, R = self.in_left[...], self.in_right[...]
-                slot = _shared_transform(
-                    x_in, (L.shape[0], R.shape[0]), lambda: kron_transform_ref(x, L, R),
-                    lambda: kron_quantize(x, L, R, self.act_clip[...], impl=q.impl), q.shared_act_clip)
-                xq, xs = slot["codes"] if q.shared_act_clip else quantize_rows_packed(slot["xt"], self.act_clip[...])
-            elif has_t:
+            if has_t:
                 xq, xs = kron_quantize(x, self.in_left[...], self.in_right[...], self.act_clip[...], impl=q.impl)
             else:
                 qx, sx = quantize_act_sym(x, self.act_clip[...])

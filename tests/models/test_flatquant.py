@@ -209,6 +209,7 @@ def test_save_load_roundtrip_and_generation(tiny, tmp_path):
     assert len(out[0]) == 4
 
 
+@pytest.mark.slow  # two calibrations of a tiny model (~40 s on a loaded 2-core box)
 def test_calibration_checkpoint_saves_each_layer_and_resumes(tiny, tmp_path):
     """Each finished layer is on disk at once; a rerun loads it instead of training (identical
     transforms and history) and a different setting refuses the directory."""
@@ -231,6 +232,7 @@ def test_calibration_checkpoint_saves_each_layer_and_resumes(tiny, tmp_path):
                      checkpoint=ck)
 
 
+@pytest.mark.slow  # Hessian collection + GPTQ on every linear (~50 s on a loaded 2-core box)
 def test_gptq_lowers_layer_output_error_vs_rtn_on_the_same_transform():
     """Deployed 1-layer model on held-out tokens, Hadamard transforms: GPTQ weights (Hessians of
     the transformed, quantized inputs) beat RTN weights; weight-only (W4A16KV16) by a clear margin."""
@@ -273,21 +275,31 @@ def test_shared_input_transform_keeps_logits_equal(tiny, per_linear_clips):
     for share in (False, True):
         qm = quantize_model(CFG, pure, "hadamard", resolved=resolved, share_inputs=share)
         assert qm.cfg.quant.share_inputs == share and qm.cfg.quant.shared_act_clip == (share and not per_linear_clips)
-        calls = []
-        orig = mq._shared_transform
+        calls = {"kron_quantize": 0, "kron_transform_ref": 0}
+        originals = {name: getattr(mq, name) for name in calls}
 
-        def spy(*a, **k):
-            hit = mq._SHARED_INPUT.get("x") is a[0]
-            calls.append(hit)
-            return orig(*a, **k)
-        mq._shared_transform = spy
+        def counting(name):
+            def fn(*a, **k):
+                calls[name] += 1
+                return originals[name](*a, **k)
+            return fn
+        for name in calls:
+            setattr(mq, name, counting(name))
         try:
             out[share] = np.asarray(forward(qm.graphdef, qm.state, jnp.asarray(tokens),
                                             cache=qm.init_cache(*tokens.shape))[0])
         finally:
-            mq._shared_transform = orig
-        if share:  # per layer: q misses, k and v hit, o misses; gate misses, up hits, down misses
-            assert calls == [False, True, True, False, False, True, False] * CFG.n_layers, calls
+            for name, fn in originals.items():
+                setattr(mq, name, fn)
+        # transforms per layer: unshared q, k, v, o, gate, up, down = 7 fused transform+quantize calls;
+        # shared: one per group (q/k/v, gate/up) + o + down = 4, as codes (one clip) or as transformed
+        # activations quantized per linear (per-linear clips)
+        if not share:
+            assert calls == {"kron_quantize": 7 * CFG.n_layers, "kron_transform_ref": 0}, calls
+        elif per_linear_clips:
+            assert calls == {"kron_quantize": 2 * CFG.n_layers, "kron_transform_ref": 2 * CFG.n_layers}, calls
+        else:
+            assert calls == {"kron_quantize": 4 * CFG.n_layers, "kron_transform_ref": 0}, calls
     np.testing.assert_array_equal(out[True], out[False])
     # negative control: different factors inside a group disable sharing
     folded = [fold_layer(layer_weights(pure, CFG, i), t, CFG) for i, t in enumerate(resolved)]
