@@ -17,11 +17,16 @@ Five systems (plus one reference), same activated parameters, same random weight
                     device, a host callback receives the selected expert ids and returns
                     their weights (the unique experts of the step, in a static buffer of
                     U = min(E, B·T·k) slots), then the experts run on the device.
-* ``mole_host``   — MoLE-4E in LUT mode, the fp16 LUT [V, L, N, d] in host RAM; a host
-                    callback gathers the rows of the step's token ids.
-* ``mole_disk``   — the same LUT in a memory-mapped file (``save_lut`` / ``open_lut``). The OS
-                    page cache serves repeated rows from RAM after the first read, as it would
-                    in deployment.
+* ``mole_host``   — MoLE-4E in LUT mode, the fp16 LUT [V, L, N, d] in the backend's host memory
+                    space (``serve_in_host_memory``: memory kind ``pinned_host``); the compiled
+                    decode step gathers the step's rows there and moves only those rows to the
+                    device — no host callback. This is the headline MoLE system.
+* ``mole_host_cb`` — the same LUT as a numpy array in host RAM, rows fetched by a per-step host
+                    callback (``serve_with_store``), the portable path; it shows what the
+                    callback round trip costs.
+* ``mole_disk``   — the same LUT in a memory-mapped file (``save_lut`` / ``open_lut``), rows read
+                    by the callback. The OS page cache serves repeated rows from RAM after the
+                    first read, as it would in deployment.
 * ``mole_device`` — reference point, not offloaded: the whole LUT in device memory, gathered in
                     the graph (``serve_on_device``). It separates MoLE's own compute from the
                     cost of the per-step host round trip.
@@ -236,9 +241,10 @@ def main(argv=None):
     print(f"# LUT {host_lut.meta.row_shape} x {V} fp16 = {host_lut.nbytes / 2**20:.1f} MiB built+saved in "
           f"{time.time() - t0:.1f}s", file=sys.stderr)
     disk_lut = ML.open_lut(lut_path, mole_train)
-    mole_models = {}
-    for name, store in (("mole_host", host_lut), ("mole_disk", disk_lut)):
+    mole_models = {}  # callback-fed systems (their stores count the bytes they hand over)
+    for name, store in (("mole_host_cb", host_lut), ("mole_disk", disk_lut)):
         mole_models[name] = (MD.serve_with_store(ML.to_lut_model(mole_train), store), store)
+    mole_hostmem = MD.serve_in_host_memory(ML.to_lut_model(mole_train), host_lut)
     mole_dev = MD.serve_on_device(ML.to_lut_model(mole_train), host_lut.data[0])
     del mole_train
 
@@ -263,9 +269,11 @@ def main(argv=None):
                 return snap
 
             systems[name] = (lm, reset_store, "lut")
+        systems["mole_host"] = (mole_hostmem, None, "lut_hostmem")
         systems["mole_device"] = (mole_dev, None, "lut_device")
         if a.quick and B > 1:  # fewer compiles: the batch-1 JSON keys need every system, b > 1 the MoLE/dense pair
-            systems = {k: v for k, v in systems.items() if k in ("dense", "moe_offload", "mole_host", "mole_device")}
+            systems = {k: v for k, v in systems.items()
+                       if k in ("dense", "moe_offload", "mole_host", "mole_host_cb", "mole_device")}
         for name, (model, reset, kind) in systems.items():
             t0 = time.time()
             timers[(B, name)] = (DecodeTimer(model, prompts, n_new, reset), model, kind)
@@ -297,6 +305,9 @@ def main(argv=None):
         elif kind == "lut_device":
             r["device_param_bytes"] = dev_bytes + model.table[...].nbytes  # the whole LUT is resident
             r["h2d_bytes_per_token"] = 0.0
+        elif kind == "lut_hostmem":  # the gathered rows are what crosses (static shape [B, 1, L, N, d])
+            r["h2d_bytes_per_token"] = float(host_lut.bytes_per_token)
+            r["host_memory_bytes"] = MD.host_resident_bytes(model)
         elif kind == "lut":
             r["h2d_bytes_per_token"] = cnt["bytes_to_device"] / (steps * B)
             r["lut_bytes_read_per_token"] = cnt["bytes_read"] / (steps * B)
@@ -319,6 +330,7 @@ def main(argv=None):
     b1 = lambda name, key="latency_ms": S[name]["b1"][key]  # noqa: E731
     if 1 in batches:
         results["mole_vs_dense_latency"] = b1("mole_host") / b1("dense")
+        results["mole_callback_vs_dense_latency"] = b1("mole_host_cb") / b1("dense")
         results["mole_disk_vs_dense_latency"] = b1("mole_disk") / b1("dense")
         results["mole_device_lut_vs_dense_latency"] = b1("mole_device") / b1("dense")
         results["moe_offload_vs_mole_latency"] = b1("moe_offload") / b1("mole_host")
@@ -328,7 +340,7 @@ def main(argv=None):
         results["mole_device_bytes_vs_dense"] = b1("mole_host", "device_param_bytes") / b1("dense", "device_param_bytes")
         results["moe_device_bytes_vs_dense"] = b1("moe", "device_param_bytes") / b1("dense", "device_param_bytes")
     for B in batches:  # per-repetition ratios (same round of the interleaved loop), median over rounds
-        for name in ("mole_host", "mole_disk", "mole_device"):
+        for name in ("mole_host", "mole_host_cb", "mole_disk", "mole_device"):
             if (B, name) in timers:
                 ratios = [r[(B, name)] / r[(B, "dense")] for r in per_rep]
                 results[f"{name}_vs_dense_b{B}_per_rep"] = [round(x, 3) for x in ratios]

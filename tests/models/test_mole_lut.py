@@ -134,3 +134,39 @@ def test_paper_storage_ratios():
     row = 12 * 4 * 768
     assert ML.storage_ratio("nf4", 768, row) == pytest.approx(0.2513, abs=1e-3)
     assert ML.storage_ratio("nf3", 128, row) == pytest.approx(0.1953, abs=1e-3)
+
+
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_host_memory_serving_equals_callback_without_a_callback(setup, quant):
+    """The LUT in the backend's host memory space, gathered inside the compiled graph: same
+    logits and greedy tokens as the callback store (bit-equal: same rows), the host arrays stay
+    in host memory through the engine's jit, nothing runs through the callback, and device
+    parameters stay the LUT-mode model's."""
+    from pallasite.inference.engine import generate_ids
+
+    model, host, _ = setup
+    store = host if quant == "none" else ML.HostLUT(host.data[0].astype(np.float32), quant="nf4", block=64,
+                                                    fingerprint=ML.lut_fingerprint(model))
+    lut_model = ML.to_lut_model(model)
+    served = MD.serve_in_host_memory(lut_model, store)
+    kinds = {a[...].sharding.memory_kind for a in served.host_arrays}
+    assert kinds == {MD.HOST_MEMORY_KIND}
+    assert MD.host_resident_bytes(served) == store.nbytes
+    assert ML.device_param_bytes(served) == ML.device_param_bytes(lut_model)  # the table is not a parameter
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 12), 0, V))
+    g, s = nnx.split(served)
+    fwd = jax.jit(forward, static_argnums=0)
+    compiled = fwd.lower(g, s, toks).compile()
+    arg_kinds = [sh.memory_kind for sh in jax.tree.leaves(compiled.input_shardings[0])]
+    assert arg_kinds.count(MD.HOST_MEMORY_KIND) == len(store._arrays())  # the table is a host-memory argument
+    store.reset_stats()
+    out = np.asarray(fwd(g, s, toks)[0])
+    np.testing.assert_array_equal(out, _logits_with_store(model, store, toks))
+    prompts = [[5, 17, 30, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    gc, sc = nnx.split(MD.serve_with_store(ML.to_lut_model(model), store))
+    ref = generate_ids(gc, sc, model.cfg, prompts, max_new_tokens=8)
+    store.reset_stats()
+    assert generate_ids(g, s, served.cfg, prompts, max_new_tokens=8) == ref
+    assert store.stats["gathers"] == 0  # no host callback on this path
+    with pytest.raises(ValueError, match="memory kind 'no_such_memory'"):
+        MD.host_memory_sharding(memory_kind="no_such_memory")
