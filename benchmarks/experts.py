@@ -207,7 +207,7 @@ class DecodeTimer:
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoLE vs dense vs MoE decode latency / memory")
     p.add_argument("--quick", action="store_true",
-                   help="small model, 32 new tokens, fewer b>1 variants, ≤ 6 reps within --time-budget (< 3 min on CPU)")
+                   help="small model, 32 new tokens, fewer b>1 variants, ≤ 20 reps within --time-budget (< 3 min on CPU)")
     p.add_argument("--size", default=None, choices=sorted(SIZES))
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -218,7 +218,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     size = a.size or ("quick" if a.quick else "small")
     n_new = a.new_tokens or (32 if a.quick else 64)
-    reps = a.reps or (6 if a.quick else 5)
+    reps = a.reps or (20 if a.quick else 10)
     budget = a.time_budget if a.time_budget is not None else (40.0 if a.quick else float("inf"))
     batches = [int(b) for b in a.batches.split(",")]
     t_start = time.time()

@@ -37,7 +37,9 @@ Compute:
   and the experts run as grouped matmuls (``ops.gmm``, ``gmm_impl``: ``jax.lax.ragged_dot``,
   the same padded-tile algorithm as the kernel in plain XLA — the default on CPU, where
   ragged_dot is ~25× slower — or the Pallas kernel), then the outputs are unsorted, weighted by the gates and summed over
-  the k slots.
+  the k slots. Decode-sized inputs under ``gmm_impl="auto"`` take exact shortcuts instead
+  (``_small_batch_path``: gathered expert weights when there are no more (token, slot) pairs than
+  experts, all experts densely when that is fewer rows than the padded tiles).
 * **Capacity mode** (``capacity_factor=c``): each *sequence* gives each expert at most
   ``C = ceil(c · T · k / E)`` (token, slot) pairs; priority is slot-major then position
   (every token's first choice before any second choice, GShard/Switch), overflow pairs are
@@ -197,6 +199,10 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     rows, slots = the local experts a row visits)."""
     R, S = experts_RS.shape
     E = w_up_EDF.shape[0]
+    if gmm_impl == "auto":
+        small = _small_batch_path(R, S, E)
+        if small is not None:  # decode-sized batches: sorting into padded tiles would waste ≥ E tiles
+            return small(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, act)
     key_P = jnp.where(experts_RS < 0, E, experts_RS).reshape(-1)  # empty slots sort last
     order_P = jnp.argsort(key_P, stable=True)
     rows_P = order_P // S
@@ -215,6 +221,55 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     y_RSD = jnp.take(ys_PD, inv_P, axis=0).reshape(R, S, -1)
     w_RS = jnp.where(experts_RS < 0, 0.0, weights_RS).astype(jnp.float32)
     return jnp.einsum("rsd,rs->rd", y_RSD.astype(jnp.float32), w_RS).astype(dt)
+
+
+_TILE_ROWS = 64  # the tile height of ops.gmm's padded-tile / Pallas paths
+
+
+def _small_batch_path(R: int, S: int, E: int):
+    """Exact rewrites of ``expert_ffn_rows`` for decode-sized inputs (chosen from static shapes;
+    ``gmm_impl="auto"`` only):
+
+    * P = R·S ≤ E (e.g. batch-1 decode): gather each pair's expert weights and run P mat-vecs —
+      reads only the chosen experts' weights, as a fused-MoE decode kernel does;
+    * else, when every row through every expert (R·E rows) is less work than the padded tiles
+      (⌈P/64⌉ + E tiles of 64 rows): run all experts densely and combine with the gates.
+
+    Larger inputs (prefill, training) use the sorted grouped matmul."""
+    if R * S <= E:
+        return _experts_gathered
+    if R * E <= (-(-(R * S) // _TILE_ROWS) + E) * _TILE_ROWS:
+        return _experts_all_dense
+    return None
+
+
+def _expert_mlp(x, w_gate, w_up, w_down, act, spec_in: str, spec_out: str):
+    """down(act(x·gate) ⊙ x·up), or down(act(x·up)) without a gate, for einsum specs
+    ``spec_in`` (x, w → hidden) and ``spec_out`` (hidden, w_down → out)."""
+    u = jnp.einsum(spec_in, x, w_up)
+    h = act(u) if w_gate is None else act(jnp.einsum(spec_in, x, w_gate)) * u
+    return jnp.einsum(spec_out, h, w_down)
+
+
+def _experts_gathered(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+    dt = x_RD.dtype
+    e_RS = jnp.maximum(experts_RS, 0)  # empty slots read expert 0 and get weight 0
+    take = lambda w: None if w is None else jnp.take(w, e_RS, axis=0).astype(dt)  # noqa: E731
+    y_RSD = _expert_mlp(x_RD, take(w_gate_EDF), take(w_up_EDF), take(w_down_EFD), act,
+                        "rd,rsdf->rsf", "rsf,rsfd->rsd")
+    w_RS = jnp.where(experts_RS < 0, 0.0, weights_RS).astype(jnp.float32)
+    return jnp.einsum("rsd,rs->rd", y_RSD.astype(jnp.float32), w_RS).astype(dt)
+
+
+def _experts_all_dense(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, act):
+    dt = x_RD.dtype
+    cast = lambda w: None if w is None else w.astype(dt)  # noqa: E731
+    y_RED = _expert_mlp(x_RD, cast(w_gate_EDF), cast(w_up_EDF), cast(w_down_EFD), act,
+                        "rd,edf->ref", "ref,efd->red")
+    E = w_up_EDF.shape[0]
+    w_RS = jnp.where(experts_RS < 0, 0.0, weights_RS).astype(jnp.float32)
+    gate_RE = jnp.einsum("rs,rse->re", w_RS, jax.nn.one_hot(experts_RS, E, dtype=jnp.float32))  # −1 → zero row
+    return jnp.einsum("red,re->rd", y_RED.astype(jnp.float32), gate_RE).astype(dt)
 
 
 # ----------------------------------------------------------------------------- mesh
