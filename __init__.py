@@ -2,10 +2,11 @@
 
 Public API (kept stable; see README):
 
-    model = pallasite.load(path)                  # HF folder, GGUF file or pallasite checkpoint
+    model = pallasite.load(path)                  # HF folder, GGUF file, pallasite checkpoint or train workdir
     logits = model.logits(ids)                    # float32 [batch, seq, vocab]
     texts = pallasite.generate(model, prompts, max_new_tokens=32)
     model.save(path, format="hf" | "orbax")
+    served = pallasite.serve_lut(model, "host")   # MoLE: experts as an offloaded lookup table
 """
 
 __version__ = "0.1.0"
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # Lazy: `import pallasite` must stay cheap and must not import jax-heavy modules eagerly.
-    if name in ("load", "Model"):
+    if name in ("load", "Model", "serve_lut"):
         from pallasite import api
 
         return getattr(api, name)
@@ -24,4 +25,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'pallasite' has no attribute {name!r}")
 
 
-__all__ = ["load", "Model", "generate", "__version__"]
+__all__ = ["load", "Model", "generate", "serve_lut", "__version__"]

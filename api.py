@@ -1,9 +1,10 @@
 """The small public API (Gemma-style): ``load``, ``Model``, ``generate``.
 
-    model = pallasite.load("path/to/hf_folder" | "model.gguf" | "pallasite_ckpt/")
+    model = pallasite.load("path/to/hf_folder" | "model.gguf" | "pallasite_ckpt/" | "train_workdir/")
     logits = model.logits(ids)                              # float32 [batch, seq, vocab]
     texts = pallasite.generate(model, ["Hello"], max_new_tokens=16)
     model.save("out/", format="hf" | "orbax")
+    served = pallasite.serve_lut(model, "host")             # a MoLE model with its experts as an offloaded LUT
 
 These names are used from Colab and by external checks: keep them stable.
 """
@@ -118,6 +119,47 @@ def _load_orbax(path: str, dtype=None) -> Model:
     return Model(cfg, abstract_state, _load_tokenizer_if_present(path), graphdef)
 
 
+def _is_training_workdir(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(os.path.join(path, "config.json"))
+
+
+def load_workdir(workdir: str, dtype=None, step: Optional[int] = None) -> Model:
+    """The model of a ``pallasite train`` workdir at checkpoint ``step`` (default: the latest),
+    with the workdir's tokenizer: works for every architecture (MoE and MoLE included, which have
+    no HF layout)."""
+    import ml_collections
+
+    from pallasite import sharding as shd
+    from pallasite.models.tokenizer import load_tokenizer
+    from pallasite.training import step as step_lib
+    from pallasite.training.checkpointing import Checkpointer
+    from pallasite.training.loop import model_config_for
+    from pallasite.training.optim import make_optimizer
+
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = load_tokenizer(config.tokenizer.path or os.path.join(workdir, "tokenizer"))
+    cfg = model_config_for(config, tokenizer)
+    optimizer, _ = make_optimizer(config.optim, config.train.steps)
+    mesh = shd.make_mesh({"data": 1})
+    graphdef, abstract, _ = step_lib.abstract_train_state(cfg, optimizer, mesh, shd.rules_from_config(()), config.seed)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"pallasite.load: training workdir {workdir!r} has no checkpoint yet")
+        state, _, _ = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    pure = nnx.to_pure_dict(nnx.state(nnx.merge(graphdef, state["params"], state["other"])))
+    if dtype is not None:
+        cfg = cfg.replace(param_dtype=str(jnp.dtype(dtype)), dtype=str(jnp.dtype(dtype)))
+        pure = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
+    graphdef, params = nnx.split(abstract_model(cfg))
+    nnx.replace_by_pure_dict(params, pure)
+    return Model(cfg, params, tokenizer, graphdef)
+
+
 def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
     """Load a model from an HF folder, a GGUF file, a pallasite orbax model folder, or a training
     workdir (latest checkpoint)."""
@@ -133,12 +175,14 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
         raise ValueError(f"pallasite.load: {path!r} is a file but not a .gguf; expected a GGUF file or a folder")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
         return _load_orbax(path, dtype)
+    if _is_training_workdir(path):  # before the HF check: a workdir also holds a config.json
+        return load_workdir(path, dtype)
     if os.path.exists(os.path.join(path, "config.json")):
         from pallasite.models.hf import import_hf
 
         cfg, state = import_hf(path, dtype=dtype)
         return Model(cfg, state, _load_tokenizer_if_present(path))
-    for sub in ("model", "final_model", "export"):
+    for sub in ("model", "final_model", "export", "hf"):
         if os.path.isdir(os.path.join(path, sub)):
             return load(os.path.join(path, sub), dtype=dtype)
     raise ValueError(
@@ -178,3 +222,46 @@ def generate(
     if model.tokenizer is None:
         return out_ids
     return [model.decode(ids) for ids in out_ids]
+
+
+LUT_PLACES = ("host", "device", "disk")
+
+
+def serve_lut(model: Model, where: str = "host", *, path: Optional[str] = None, quant: str = "none",
+              block: int = 768) -> Model:
+    """A MoLE model served with its experts re-parameterised into a lookup table (Jie et al.,
+    ICML 2025, §3.2–3.3): ``where="host"`` keeps the LUT in the backend's host memory and gathers
+    the step's rows in the compiled graph (``mole_decode.serve_in_host_memory``); ``"disk"`` reads
+    rows from the memory-mapped LUT file ``path`` through a host callback (``open_lut`` checks the
+    file against the model; with no such file it is built and saved first); ``"device"`` keeps
+    the whole LUT in device memory (no offloading). ``quant`` = none | nf4 | nf3 (paper §4.4,
+    token-wise blocks of ``block`` values). The result is a ``Model`` for ``logits``/``generate``."""
+    from pallasite.inference import mole_decode as MD
+    from pallasite.models import mole_lut as ML
+    from pallasite.models.mole import mole_config_of
+
+    if where not in LUT_PLACES:
+        raise ValueError(f"serve_lut: where={where!r}; expected one of {LUT_PLACES}")
+    if model.config.ffn != "mole" or mole_config_of(model.config).mode != "train" or not mole_config_of(model.config).n_experts:
+        raise ValueError(f"serve_lut: needs a training-mode MoLE model with experts (config.ffn='mole', "
+                         f"n_experts > 0); got ffn={model.config.ffn!r}")
+    trained = nnx.merge(model.graphdef, model.state)
+    if where == "disk":
+        if path is None:
+            raise ValueError("serve_lut: where='disk' needs path= (the LUT file to read, or to build if missing)")
+        if not os.path.exists(path):
+            ML.save_lut(path, ML.HostLUT.from_model(trained, quant=quant, block=block))
+        store = ML.open_lut(path, trained)
+    else:
+        store = ML.HostLUT.from_model(trained, quant=quant, block=block)
+    lut_model = ML.to_lut_model(trained)
+    if where == "host":
+        served = MD.serve_in_host_memory(lut_model, store)
+    elif where == "disk":
+        served = MD.serve_with_store(lut_model, store)
+    else:
+        if quant != "none":
+            raise ValueError("serve_lut: where='device' keeps the float LUT on the device; quant must be 'none'")
+        served = MD.serve_on_device(lut_model, store.data[0])
+    graphdef, state = nnx.split(served)
+    return Model(served.cfg, state, model.tokenizer, graphdef)

@@ -4,12 +4,19 @@
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
+    pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
+
+``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
+are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
+device memory, or read from a LUT file (memory-mapped; built first if missing).
+PATH may be an HF folder, a .gguf file, a pallasite orbax folder or a ``pallasite train`` workdir.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -42,10 +49,25 @@ def _cmd_train(args, overrides):
     print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
 
 
-def _cmd_generate(args, overrides):
+def _load_for_inference(args):
+    """``pallasite.load`` plus, for MoLE models, the ``--mole-lut`` serving choice."""
     import pallasite
 
     model = pallasite.load(args.model, dtype=args.dtype)
+    lut = getattr(args, "mole_lut", None)
+    if lut:
+        quant = getattr(args, "lut_quant", "none")
+        if lut in ("host", "device"):
+            model = pallasite.serve_lut(model, lut, quant=quant, block=args.lut_block)
+        else:
+            model = pallasite.serve_lut(model, "disk", path=lut, quant=quant, block=args.lut_block)
+    return model
+
+
+def _cmd_generate(args, overrides):
+    import pallasite
+
+    model = _load_for_inference(args)
     if model.tokenizer is None:
         raise SystemExit(f"pallasite generate: {args.model!r} has no tokenizer; cannot take a text prompt")
     prompt = args.prompt
@@ -72,10 +94,9 @@ def _cmd_generate(args, overrides):
 def _cmd_eval(args, overrides):
     import numpy as np
 
-    import pallasite
     from pallasite.eval.perplexity import perplexity
 
-    model = pallasite.load(args.model, dtype=args.dtype)
+    model = _load_for_inference(args)
     if model.tokenizer is None:
         raise SystemExit(f"pallasite eval: {args.model!r} has no tokenizer")
     if args.data == "stdlib":
@@ -105,6 +126,21 @@ def _cmd_convert(args, overrides):
     print(f"wrote {args.to} model to {args.output}")
 
 
+def _cmd_lut(args, overrides):
+    import pallasite
+    from flax import nnx
+
+    from pallasite.models import mole_lut as ML
+
+    model = pallasite.load(args.model, dtype=args.dtype)
+    if model.config.ffn != "mole":
+        raise SystemExit(f"pallasite lut: {args.model!r} is not a MoLE model (ffn={model.config.ffn!r})")
+    store = ML.HostLUT.from_model(nnx.merge(model.graphdef, model.state), quant=args.quant, block=args.block)
+    ML.save_lut(args.output, store)
+    print(json.dumps({"output": args.output, "bytes": os.path.getsize(args.output), "quant": args.quant,
+                      "bytes_per_token": store.bytes_per_token, "shape": [store.meta.vocab_size, *store.meta.row_shape]}))
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, overrides = _split_config_overrides(argv)
@@ -118,7 +154,8 @@ def main(argv=None):
     p.set_defaults(fn=_cmd_train)
 
     for name, fn, help_ in (("generate", _cmd_generate, "generate text"), ("eval", _cmd_eval, "perplexity"),
-                            ("convert", _cmd_convert, "convert between formats")):
+                            ("convert", _cmd_convert, "convert between formats"),
+                            ("lut", _cmd_lut, "MoLE: re-parameterise the experts into a LUT file")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--dtype", default=None, help="load weights as this dtype (e.g. bfloat16)")
         if name == "convert":
@@ -126,7 +163,19 @@ def main(argv=None):
             p.add_argument("--output", required=True)
             p.add_argument("--to", choices=("hf", "orbax"), required=True)
         else:
-            p.add_argument("--model", required=True, help="HF folder, .gguf file or pallasite checkpoint")
+            p.add_argument("--model", required=True,
+                           help="HF folder, .gguf file, pallasite orbax folder or training workdir")
+        if name == "lut":
+            p.add_argument("--output", required=True, help="the LUT file to write")
+        if name in ("generate", "eval"):
+            p.add_argument("--mole-lut", default=None, metavar="host|device|FILE.lut",
+                           help="MoLE models: serve the experts as a LUT in host memory, device memory or a file")
+        if name in ("generate", "eval", "lut"):
+            flag = "--quant" if name == "lut" else "--lut-quant"
+            p.add_argument(flag, default="none", choices=("none", "nf4", "nf3"),
+                           help="NormalFloat LUT quantization with token-wise blocks (paper §4.4)")
+            p.add_argument("--block" if name == "lut" else "--lut-block", type=int, default=768,
+                           help="values per quantization block (paper: 768 for NF4, 128 for NF3)")
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")

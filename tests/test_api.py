@@ -87,3 +87,47 @@ def test_cli_convert_generate_eval(tiny_hf, tmp_path, capsys):
     assert result["windows"] == 4 and np.isfinite(result["ppl"]) and result["ppl"] > 1
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", path, "--prompt", "x", "--config.a=1"])
+
+
+def test_mole_lut_serving_api_and_cli(tiny_hf, tmp_path, capsys):
+    """A MoLE model saved as orbax, served with its experts as a LUT (host memory, device memory,
+    a LUT file built by `pallasite lut`): the same greedy text as training mode (fp32 LUT), the
+    CLI's --mole-lut gives the same completion, and non-MoLE models are refused by name."""
+    from flax import nnx
+
+    from pallasite.models.mole import MoLEConfig
+    from pallasite.models.transformer import init_model
+
+    tokenizer = pallasite.load(tiny_hf[1]).tokenizer
+    cfg = pallasite.load(tiny_hf[1]).config.replace(
+        ffn="mole", hidden_act="gelu_exact", mole=MoLEConfig(n_experts=4, lut_dtype="float32"))
+    g, s = nnx.split(init_model(cfg, seed=0))
+    trained = pallasite.Model(cfg, s, tokenizer, g)
+    folder = trained.save(str(tmp_path / "mole"), format="orbax")
+    model = pallasite.load(folder)
+    prompt = "def __init__(self"
+    want = pallasite.generate(model, [prompt], max_new_tokens=8, stop_tokens=[])
+    ids = np.array([tokenizer.encode(prompt)])
+    ref_logits = np.asarray(model.logits(ids))
+    lut_file = str(tmp_path / "mole.lut")
+    for where, path in (("host", None), ("device", None), ("disk", lut_file)):
+        served = pallasite.serve_lut(model, where, path=path)
+        np.testing.assert_allclose(np.asarray(served.logits(ids)), ref_logits, atol=1e-5)
+        assert pallasite.generate(served, [prompt], max_new_tokens=8, stop_tokens=[]) == want, where
+    assert os.path.exists(lut_file)  # built on first use
+    capsys.readouterr()
+    cli.main(["lut", "--model", folder, "--output", str(tmp_path / "cli.lut")])
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["shape"] == [cfg.vocab_size, cfg.n_layers, 4, cfg.d_model]
+    outs = {}
+    for lut in (None, "host", str(tmp_path / "cli.lut")):
+        cli.main(["generate", "--model", folder, "--prompt", prompt, "--max-new-tokens", "8"]
+                 + ([] if lut is None else ["--mole-lut", lut]))
+        outs[lut] = capsys.readouterr().out
+    assert len(set(outs.values())) == 1 and outs[None].startswith(prompt)
+    with pytest.raises(ValueError, match="ffn='dense'"):
+        pallasite.serve_lut(pallasite.load(tiny_hf[1]), "host")
+    with pytest.raises(ValueError, match="where='gpu'"):
+        pallasite.serve_lut(model, "gpu")
+    with pytest.raises(SystemExit, match="not a MoLE model"):
+        cli.main(["lut", "--model", tiny_hf[1], "--output", str(tmp_path / "x.lut")])

@@ -101,30 +101,12 @@ def get_config(arg=None):
 def load_trained(workdir: str):
     """(ModelConfig, nnx model, tokenizer) of a finished quality-run workdir (latest checkpoint),
     e.g. the trained MoE routing for the Occult benchmark or a trained MoLE to tabulate."""
-    import ml_collections
     from flax import nnx
 
-    from pallasite import sharding as shd
-    from pallasite.models.tokenizer import load_tokenizer
-    from pallasite.training import step as step_lib
-    from pallasite.training.checkpointing import Checkpointer
-    from pallasite.training.loop import model_config_for
-    from pallasite.training.optim import make_optimizer
+    from pallasite.api import load_workdir
 
-    with open(os.path.join(workdir, "config.json")) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    tokenizer = load_tokenizer(config.tokenizer.path or os.path.join(workdir, "tokenizer"))
-    cfg = model_config_for(config, tokenizer)
-    mesh = shd.make_mesh({"data": 1})
-    optimizer, _ = make_optimizer(config.optim, config.train.steps)
-    graphdef, abstract, _ = step_lib.abstract_train_state(cfg, optimizer, mesh, shd.rules_from_config(()), config.seed)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    step = ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
-    state, _, _ = ckpt.restore(step, abstract)
-    ckpt.close()
-    return cfg, nnx.merge(graphdef, state["params"], state["other"]), tokenizer
+    m = load_workdir(workdir)
+    return m.config, nnx.merge(m.graphdef, m.state), m.tokenizer
 
 
 def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:

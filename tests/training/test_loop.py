@@ -73,6 +73,18 @@ def test_hf_export_holds_the_trained_weights(reference_run):
     b = jax.tree.leaves(saved["params"])
     assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
     assert data_state["epoch"] == 0 and data_state["batch"] == 12
+    # pallasite.load(workdir) restores the latest checkpoint (any architecture), with the tokenizer;
+    # an earlier step gives other logits (the restore is really by step)
+    import pallasite
+    from pallasite.api import load_workdir
+
+    ids = np.array([[1, 5, 9, 2, 7]])
+    from_workdir = pallasite.load(str(workdir))
+    np.testing.assert_array_equal(np.asarray(from_workdir.logits(ids)),
+                                  np.asarray(pallasite.load(str(workdir / "hf")).logits(ids)))
+    assert from_workdir.tokenizer is not None
+    assert not np.allclose(np.asarray(load_workdir(str(workdir), step=9).logits(ids)),
+                           np.asarray(from_workdir.logits(ids)))
 
 
 _KILL_SCRIPT = """
