@@ -210,6 +210,8 @@ def main(argv=None):
                    help="small model, 32 new tokens, fewer b>1 variants, ≤ 20 reps within --time-budget (< 3 min on CPU)")
     p.add_argument("--size", default=None, choices=sorted(SIZES))
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--skip", default="", help="comma-separated systems to leave out (e.g. mole_device at large sizes, "
+                                              "whose whole-LUT device copy costs memory); the headline ones are required")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
@@ -249,7 +251,10 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001 — recorded in the JSON, the callback system stands in
         mole_hostmem, results["mole_host_error"] = None, f"{type(e).__name__}: {e}"[:500]
         print(f"# mole_host unavailable ({results['mole_host_error']}); headline uses mole_host_cb", file=sys.stderr)
-    mole_dev = MD.serve_on_device(ML.to_lut_model(mole_train), host_lut.data[0])
+    skip = {x for x in a.skip.split(",") if x}
+    if skip & {"dense", "moe_offload"}:
+        raise SystemExit(f"--skip {a.skip}: dense and moe_offload are needed for the headline ratios")
+    mole_dev = None if "mole_device" in skip else MD.serve_on_device(ML.to_lut_model(mole_train), host_lut.data[0])
     del mole_train
 
     timers = {}
@@ -275,7 +280,9 @@ def main(argv=None):
             systems[name] = (lm, reset_store, "lut")
         if mole_hostmem is not None:
             systems["mole_host"] = (mole_hostmem, None, "lut_hostmem")
-        systems["mole_device"] = (mole_dev, None, "lut_device")
+        if mole_dev is not None:
+            systems["mole_device"] = (mole_dev, None, "lut_device")
+        systems = {k: v for k, v in systems.items() if k not in skip}
         if a.quick and B > 1:  # fewer compiles: the batch-1 JSON keys need every system, b > 1 the MoLE/dense pair
             systems = {k: v for k, v in systems.items()
                        if k in ("dense", "moe_offload", "mole_host", "mole_host_cb", "mole_device")}
@@ -344,15 +351,16 @@ def main(argv=None):
     results["mole_headline_system"] = head
     if 1 in batches:
         results["mole_vs_dense_latency"] = b1(head) / b1("dense")
-        results["mole_callback_vs_dense_latency"] = b1("mole_host_cb") / b1("dense")
-        results["mole_disk_vs_dense_latency"] = b1("mole_disk") / b1("dense")
-        results["mole_device_lut_vs_dense_latency"] = b1("mole_device") / b1("dense")
         results["moe_offload_vs_mole_latency"] = b1("moe_offload") / b1(head)
         results["moe_offload_vs_mole_latency_pcie16_modeled"] = (
             b1("moe_offload", "latency_pcie16_modeled_ms") / b1(head, "latency_pcie16_modeled_ms"))
-        results["moe_resident_vs_dense_latency"] = b1("moe") / b1("dense")
         results["mole_device_bytes_vs_dense"] = b1(head, "device_param_bytes") / b1("dense", "device_param_bytes")
-        results["moe_device_bytes_vs_dense"] = b1("moe", "device_param_bytes") / b1("dense", "device_param_bytes")
+        for key, name in (("mole_callback_vs_dense_latency", "mole_host_cb"), ("mole_disk_vs_dense_latency", "mole_disk"),
+                          ("mole_device_lut_vs_dense_latency", "mole_device"), ("moe_resident_vs_dense_latency", "moe")):
+            if "b1" in S.get(name, {}):  # absent when --skip'ped
+                results[key] = b1(name) / b1("dense")
+        if "b1" in S.get("moe", {}):
+            results["moe_device_bytes_vs_dense"] = b1("moe", "device_param_bytes") / b1("dense", "device_param_bytes")
     for B in batches:  # per-repetition ratios (same round of the interleaved loop), median over rounds
         for name in ("mole_host", "mole_host_cb", "mole_disk", "mole_device"):
             if (B, name) in timers:
