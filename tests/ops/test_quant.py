@@ -200,3 +200,35 @@ def test_kv4_cache_plugs_into_shared_decode_kernel():
     for fn in (decode.decode_attention_reference, decode.decode_attention):
         out = fn(q_bkgd, src, pos[:, 0] + 1, block_k=16, k_splits=2)
         np.testing.assert_allclose(np.asarray(out).reshape(B, 1, H, Dh), np.asarray(ours), atol=2e-6)
+
+
+def test_quant_ppl_fp_model_half_precision_rows():
+    """benchmarks/quant_ppl.py ``--fp-dtypes``: ``fp_model(cfg, pure, "float32")`` gives the original
+    model's logits bit-exactly; bfloat16/float16 store parameters in that dtype and compute in it
+    (logits close to float32 but not equal — the negative control that the dtype is really used);
+    an unknown dtype is named."""
+    from flax import nnx
+
+    from pallasite.benchmarks.quant_ppl import fp_model
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.transformer import forward, init_model
+
+    cfg = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+    graphdef, state = nnx.split(init_model(cfg, seed=3))
+    pure = nnx.to_pure_dict(state)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    ref = np.asarray(forward(graphdef, state, ids)[0])
+    np.testing.assert_array_equal(np.asarray(forward(*fp_model(cfg, pure, "float32"), ids)[0]), ref)
+    for dtype, tol in (("bfloat16", 0.05), ("float16", 0.01)):
+        g, s = fp_model(cfg, pure, dtype)
+        assert {str(a.dtype) for a in jax.tree.leaves(s)} == {dtype}
+        out = np.asarray(forward(g, s, ids)[0])
+        assert out.dtype == np.float32  # logits are float32 for the perplexity's log-softmax
+        err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+        assert 0 < err < tol, (dtype, err)
+        # the compute dtype is used too, not only the storage: float32 compute on the same rounded
+        # weights gives different logits
+        g32, _ = nnx.split(init_model(cfg.replace(param_dtype=dtype), seed=3))
+        assert not np.array_equal(np.asarray(forward(g32, s, ids)[0]), out), dtype
+    with pytest.raises(ValueError, match="'int8'"):
+        fp_model(cfg, pure, "int8")
