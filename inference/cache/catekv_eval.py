@@ -121,7 +121,10 @@ def build_hybrid(cfg, dense: DenseKVCache, q_last_LBQHD, n_prompt: int, mask_LK,
     """CateKV cache for every layer from a dense prefill (per-layer ``CateKVCache.fill``)."""
     cache = init_catekv_cache(cfg, 1, dense.capacity, mask_LK, catekv_cfg=ccfg, max_new_tokens=new_tokens)
     for i in range(cfg.n_layers):
-        cache = _fill_layer(cache, jnp.int32(i), q_last_LBQHD[i], dense.k[i, :, :n_prompt], dense.v[i, :, :n_prompt])
+        # the dense cache is head-major [L, B, K, S, D]; the fill takes the prompt slot-major [B, N, K, D]
+        k_BNKD = jnp.swapaxes(dense.k[i, :, :, :n_prompt], 1, 2)
+        v_BNKD = jnp.swapaxes(dense.v[i, :, :, :n_prompt], 1, 2)
+        cache = _fill_layer(cache, jnp.int32(i), q_last_LBQHD[i], k_BNKD, v_BNKD)
     return cache
 
 

@@ -15,14 +15,19 @@ The kernel never indexes K/V arrays itself; a ``KVSource`` does::
 
     KVSource(arrays=(a0, a1, ...), load=fn, head_dim=D)
 
-* every array has layout ``[B, S, K, ...]`` (slot axis 1, KV-head axis 2, any trailing dims);
-  the kernel hands ``load`` one ref per array, already restricted to (row b, head h): ref shapes
-  ``[S, ...]``; each split program loads only its own contiguous run of blocks;
+* every array has layout ``[B, K, S, ...]`` (``kv_layout="BKSD"``, head-major: KV-head axis 1,
+  slot axis 2) or ``[B, S, K, ...]`` (``"BSKD"``, slot-major, the default for compatibility), any
+  trailing dims; the kernel hands ``load`` one ref per array, already restricted to (row b,
+  head h): ref shapes ``[S, ...]``; each split program loads only its own contiguous run of blocks.
+  Head-major is what the dense cache (``inference/cache/dense.py``) stores: a (row, head)
+  program then streams one contiguous ``[S, D]`` slab, where slot-major reads every ``K``-th
+  ``D``-run; on CPU the XLA reference path likewise contracts a head-major cache without first
+  transposing all of it each step;
 * ``load(refs, sl) -> (k_blk, v_blk)`` returns the ``[block_k, D]`` key and value block for the
   slot slice ``sl`` (a ``pl.ds`` of length ``block_k``) in any float dtype; the kernel casts to the
   query dtype and accumulates in float32.
 
-``dense_source(k, v)`` is the plain cache (``load = (k_ref[sl], v_ref[sl])``);
+``dense_source(k, v, kv_layout=...)`` is the plain cache (``load = (k_ref[sl], v_ref[sl])``);
 ``scaled_int8_source`` is a worked example of a quantized cache: int8 codes plus one float scale
 per (token, head), dequantised inside the kernel. A 4-bit cache (FlatQuant KV4) slots in the same
 way: pass packed nibbles ``[B,S,K,D//2]`` uint8 plus per-group scales / zeros ``[B,S,K,D//g]`` and a
@@ -35,7 +40,8 @@ float32 output and the per-row log-sum-exp pieces are merged internally.
 ``decode_attention_reference`` is its jnp twin (same signature), used by tests and as the XLA
 path. ``dense_decode`` is what ``inference/cache/dense.py`` calls (registered as
 ``_PALLAS_IMPLS["decode"]``): the visible range of a token at position ``p`` is ``[0, p]`` (or
-``[p - window + 1, p]`` with a sliding window).
+``[p - window + 1, p]`` with a sliding window); the dense cache calls it with
+``kv_layout="BKSD"``.
 
 GPU notes: Triton lowering; ``block_k`` and the padded G, D are powers of two >= 16; a cache
 whose capacity is not a multiple of ``block_k`` is padded (a copy) — allocate capacities as
@@ -55,32 +61,49 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallasite.ops.attention import default_interpret, register_pallas
+from pallasite.ops.attention.reference import KV_LAYOUTS
 from pallasite.ops.attention.flash import _compiler_params, _dot, _next_pow2, _pad_axis
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"], meta_fields=["load", "head_dim"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"], meta_fields=["load", "head_dim", "kv_layout"])
 @dataclasses.dataclass(frozen=True)
 class KVSource:
-    """K/V storage as seen by the decode kernel: arrays ``[B, S, K, ...]`` + an in-kernel loader."""
+    """K/V storage as seen by the decode kernel: arrays ``[B, K, S, ...]`` (``kv_layout="BKSD"``)
+    or ``[B, S, K, ...]`` (``"BSKD"``; only the first three axes are meant) + an in-kernel loader."""
 
     arrays: tuple
     load: Callable  # (refs tuple, pl.ds slice) -> (k_blk [bk, D], v_blk [bk, D])
     head_dim: int
+    kv_layout: str = "BSKD"
+
+    def __post_init__(self):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"KVSource: kv_layout={self.kv_layout!r}; expected one of {KV_LAYOUTS}")
+
+    @property
+    def slot_axis(self) -> int:
+        return 2 if self.kv_layout == "BKSD" else 1
+
+    @property
+    def head_axis(self) -> int:
+        return 1 if self.kv_layout == "BKSD" else 2
 
     @property
     def capacity(self) -> int:
-        return self.arrays[0].shape[1]
+        return self.arrays[0].shape[self.slot_axis]
 
     @property
     def n_kv_heads(self) -> int:
-        return self.arrays[0].shape[2]
+        return self.arrays[0].shape[self.head_axis]
 
-    def dequantize(self) -> tuple[jax.Array, jax.Array]:
-        """Full K, V ``[B, S, K, D]`` in jnp (reference path), by calling ``load`` on whole arrays."""
+    def dequantize(self, kv_layout: str = "BSKD") -> tuple[jax.Array, jax.Array]:
+        """Full K, V in jnp (reference path), by calling ``load`` on whole arrays; returned as
+        ``[B, S, K, D]`` (``kv_layout="BSKD"``) or ``[B, K, S, D]`` (``"BKSD"``)."""
         def one(*arrs):  # arrs: [S, ...] for one (b, h)
             return self.load(tuple(_ArrayRef(a) for a in arrs), slice(None))
 
-        per_head = jax.vmap(one, in_axes=1, out_axes=(1, 1))  # [S, K, ...] -> [S, K, D]
+        out = 0 if kv_layout == "BKSD" else 1
+        per_head = jax.vmap(one, in_axes=self.head_axis - 1, out_axes=(out, out))  # per row -> [K,S,D] / [S,K,D]
         return jax.vmap(per_head)(*self.arrays)
 
 
@@ -107,8 +130,9 @@ def _dense_load(refs, sl):
     return k_ref[sl, :], v_ref[sl, :]
 
 
-def dense_source(k_BSKD: jax.Array, v_BSKD: jax.Array) -> KVSource:
-    return KVSource(arrays=(k_BSKD, v_BSKD), load=_dense_load, head_dim=k_BSKD.shape[-1])
+def dense_source(k: jax.Array, v: jax.Array, kv_layout: str = "BSKD") -> KVSource:
+    """A float cache: k, v ``[B, S, K, D]`` (``"BSKD"``) or ``[B, K, S, D]`` (``"BKSD"``)."""
+    return KVSource(arrays=(k, v), load=_dense_load, head_dim=k.shape[-1], kv_layout=kv_layout)
 
 
 def _int8_load(refs, sl):
@@ -118,16 +142,18 @@ def _int8_load(refs, sl):
     return k, v
 
 
-def scaled_int8_source(kq_BSKD, kscale_BSK, vq_BSKD, vscale_BSK) -> KVSource:
-    """Example quantized cache: symmetric int8 codes with one scale per (token, KV head)."""
-    return KVSource(arrays=(kq_BSKD, kscale_BSK, vq_BSKD, vscale_BSK), load=_int8_load, head_dim=kq_BSKD.shape[-1])
+def scaled_int8_source(kq, kscale, vq, vscale, kv_layout: str = "BSKD") -> KVSource:
+    """Example quantized cache: symmetric int8 codes ``[B, S, K, D]`` with one scale per (token, KV
+    head) ``[B, S, K]`` (or ``[B, K, S, D]`` / ``[B, K, S]`` with ``kv_layout="BKSD"``)."""
+    return KVSource(arrays=(kq, kscale, vq, vscale), load=_int8_load, head_dim=kq.shape[-1], kv_layout=kv_layout)
 
 
-def quantize_int8(x_BSKD):
-    """Symmetric per-(token, head) int8 quantisation (for the example source and its tests)."""
-    scale = jnp.max(jnp.abs(x_BSKD), axis=-1) / 127.0
+def quantize_int8(x):
+    """Symmetric int8 quantisation with one scale per vector of the last axis (per (token, head)
+    in either layout), for the example source and its tests."""
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
-    q = jnp.clip(jnp.round(x_BSKD / scale[..., None]), -127, 127).astype(jnp.int8)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
     return q, scale.astype(jnp.float32)
 
 
@@ -182,14 +208,17 @@ def _merge_splits(o_BKNGD, m_BKNG, l_BKNG):
     return num / jnp.where(den == 0.0, 1.0, den)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("load", "head_dim", "scale", "block_k", "k_splits", "interpret"))
-def _decode_call(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale, block_k, k_splits, interpret):
+@functools.partial(jax.jit, static_argnames=("load", "head_dim", "scale", "block_k", "k_splits", "interpret",
+                                             "kv_layout"))
+def _decode_call(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale, block_k, k_splits, interpret,
+                 kv_layout):
     B, K, G, D = q_BKGD.shape
-    S = arrays[0].shape[1]
+    slot_axis = 2 if kv_layout == "BKSD" else 1
+    S = arrays[0].shape[slot_axis]
     bk = min(block_k, _next_pow2(S))
     Sp = pl.cdiv(S, bk) * bk
     if Sp != S:  # padded slots are never visible (slot >= kv_len)
-        arrays = tuple(_pad_axis(a, 1, Sp) for a in arrays)
+        arrays = tuple(_pad_axis(a, slot_axis, Sp) for a in arrays)
     n_blocks = Sp // bk
     # Splits are contiguous runs of blocks over the whole slot axis (no divisibility needed, so a
     # 32k+128-slot cache still gets k_splits programs per (row, head)).
@@ -200,8 +229,11 @@ def _decode_call(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale,
     q = _pad_axis(_pad_axis(q_BKGD, 2, Gp), 3, Dp)
 
     def kv_spec(a):
+        # The whole slot axis of one (row, head); the kernel body sees [Sp, ...] in either layout.
         rest = a.shape[3:]
         zeros = (0,) * len(rest)
+        if kv_layout == "BKSD":  # head-major: one contiguous [Sp, ...] slab per (row, head)
+            return pl.BlockSpec((None, None, Sp, *rest), lambda b, h, j: (b, h, 0, *zeros))
         return pl.BlockSpec((None, Sp, None, *rest), lambda b, h, j: (b, 0, h, *zeros))
 
     row = pl.BlockSpec((None,), lambda b, h, j: (b,))
@@ -246,31 +278,33 @@ def decode_attention(
     Rows with an empty visible range return 0.
     """
     B, K, G, D = q_BKGD.shape
+    axes = "[B, K, S, ...]" if source.kv_layout == "BKSD" else "[B, S, K, ...]"
     if source.arrays[0].shape[0] != B or source.n_kv_heads != K or source.head_dim != D:
         raise ValueError(
             f"decode_attention: query [B={B}, K={K}, G={G}, D={D}] does not match the cache "
-            f"[B, S, K, ...] = {tuple(source.arrays[0].shape)} with head_dim {source.head_dim}")
+            f"{axes} = {tuple(source.arrays[0].shape)} (kv_layout={source.kv_layout}) with head_dim {source.head_dim}")
     for a in source.arrays:
         if a.shape[:3] != source.arrays[0].shape[:3]:
-            raise ValueError(f"decode_attention: cache arrays disagree on [B, S, K]: {[x.shape for x in source.arrays]}")
+            raise ValueError(f"decode_attention: cache arrays disagree on {axes[:8]}]: {[x.shape for x in source.arrays]}")
     interpret = default_interpret() if interpret is None else interpret
     kv_len_B = jnp.broadcast_to(jnp.asarray(kv_len_B, jnp.int32), (B,))
     kv_start_B = jnp.zeros((B,), jnp.int32) if kv_start_B is None else jnp.broadcast_to(
         jnp.asarray(kv_start_B, jnp.int32), (B,))
     scale = float(D ** -0.5 if scale is None else scale)
     return _decode_call(q_BKGD, tuple(source.arrays), kv_len_B, kv_start_B, load=source.load, head_dim=source.head_dim,
-                        scale=scale, block_k=_next_pow2(block_k), k_splits=int(k_splits), interpret=bool(interpret))
+                        scale=scale, block_k=_next_pow2(block_k), k_splits=int(k_splits), interpret=bool(interpret),
+                        kv_layout=source.kv_layout)
 
 
 def decode_attention_reference(q_BKGD, source: KVSource, kv_len_B, kv_start_B=None, *, scale=None, **_):
     """jnp twin of ``decode_attention`` (float32, same slot-range semantics, 0 for empty rows)."""
     B, K, G, D = q_BKGD.shape
-    k, v = source.dequantize()  # [B, S, K, D]
-    S = k.shape[1]
+    k, v = source.dequantize(kv_layout="BKSD")  # [B, K, S, D]: contracted below without a transpose
+    S = k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     kv_len_B = jnp.broadcast_to(jnp.asarray(kv_len_B, jnp.int32), (B,))
     kv_start_B = jnp.zeros((B,), jnp.int32) if kv_start_B is None else jnp.broadcast_to(jnp.asarray(kv_start_B), (B,))
-    s = jnp.einsum("bkgd,bskd->bkgs", q_BKGD.astype(jnp.float32), k.astype(jnp.float32),
+    s = jnp.einsum("bkgd,bksd->bkgs", q_BKGD.astype(jnp.float32), k.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale
     slot = jnp.arange(S)
     visible = (slot[None] >= kv_start_B[:, None]) & (slot[None] < kv_len_B[:, None])  # [B, S]
@@ -278,21 +312,23 @@ def decode_attention_reference(q_BKGD, source: KVSource, kv_len_B, kv_start_B=No
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
     den = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgs,bskd->bkgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = jnp.einsum("bkgs,bksd->bkgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return out / jnp.where(den == 0.0, 1.0, den)
 
 
-def dense_decode(q_BTHD, k_BSKD, v_BSKD, *, q_positions_BT, sliding_window=None, interpret=None,
-                 block_k: int = 128, k_splits: int = 16):
-    """Decode step over a dense cache (slot = position): what ``DenseKVCache`` calls for T == 1."""
+def dense_decode(q_BTHD, k, v, *, q_positions_BT, sliding_window=None, interpret=None,
+                 block_k: int = 128, k_splits: int = 16, kv_layout: str = "BSKD"):
+    """Decode step over a dense cache (slot = position): what ``DenseKVCache`` calls for T == 1,
+    with its head-major k, v ``[B, K, S, D]`` (``kv_layout="BKSD"``); ``"BSKD"``: ``[B, S, K, D]``."""
     B, T, H, D = q_BTHD.shape
     if T != 1:
         raise ValueError(f"dense_decode: expected one query token per row, got T={T}")
-    K = k_BSKD.shape[2]
+    src = dense_source(k, v, kv_layout)
+    K = src.n_kv_heads
     pos = q_positions_BT[:, 0].astype(jnp.int32)
     start = None if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
     q = q_BTHD.reshape(B, K, H // K, D)
-    out = decode_attention(q, dense_source(k_BSKD, v_BSKD), pos + 1, start, block_k=block_k, k_splits=k_splits,
+    out = decode_attention(q, src, pos + 1, start, block_k=block_k, k_splits=k_splits,
                            interpret=interpret)
     return out.reshape(B, 1, H, D).astype(q_BTHD.dtype)
 

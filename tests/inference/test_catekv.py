@@ -157,7 +157,7 @@ def test_selection_invariants_and_sizes(model):
         assert count == SMALL.budget + (N - chunk_end)  # B + the unchunked tail
         h = int(c.sparse_heads[0])
         kept_k = np.asarray(k_sparse[0, :count, 0])
-        full_k = np.asarray(dense.k[layer, 0, :N, h])
+        full_k = np.asarray(dense.k[layer, 0, h, :N])  # the dense cache is head-major [L, B, K, S, D]
         # recover which positions were kept by matching rows of K (random floats: unique)
         pos = np.array([int(np.argmin(np.abs(full_k - row).sum(-1))) for row in kept_k])
         np.testing.assert_allclose(kept_k, full_k[pos], atol=1e-6)  # two compiled programs: ulp-level
@@ -171,7 +171,7 @@ def test_selection_invariants_and_sizes(model):
         assert len(starts) == SMALL.select_chunks
         # the adaptive head keeps everything, slot = position
         a = int(c.full_heads[0])
-        np.testing.assert_allclose(np.asarray(k_full[0, :N, 0]), np.asarray(dense.k[layer, 0, :N, a]), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(k_full[0, :N, 0]), np.asarray(dense.k[layer, 0, a, :N]), atol=1e-6)
     # decode appends to both parts
     new_tok = jnp.array([[3]])
     cache2, dense2 = fwd(new_tok, jnp.array([[N]]), cache), fwd(new_tok, jnp.array([[N]]), dense)
@@ -179,8 +179,8 @@ def test_selection_invariants_and_sizes(model):
     k_full, _, k_sparse, _ = c.views()
     slot = N + int(c.sparse_offset[0])
     np.testing.assert_allclose(np.asarray(k_sparse[0, slot, 0]),
-                               np.asarray(dense2.k[0, 0, N, int(c.sparse_heads[0])]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(k_full[0, N, 0]), np.asarray(dense2.k[0, 0, N, int(c.full_heads[0])]),
+                               np.asarray(dense2.k[0, 0, int(c.sparse_heads[0]), N]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(k_full[0, N, 0]), np.asarray(dense2.k[0, 0, int(c.full_heads[0]), N]),
                                atol=1e-6)
     after, before = cache2.layer(1).views()[2], cache.layer(1).views()[2]
     assert float(jnp.abs(after[0, slot, 0]).sum()) > 0 and float(jnp.abs(before[0, slot, 0]).sum()) == 0

@@ -131,6 +131,95 @@ def test_decode_sliding_window_and_unused_slots_are_never_read():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
 
 
+def _head_major(x_BSKD):
+    return jnp.swapaxes(x_BSKD, 1, 2)  # [B, S, K, D] -> [B, K, S, D]
+
+
+def test_reference_head_major_layout_equals_slot_major_and_flash():
+    # prefill-shaped (T > 1) with sliding window: the same numbers from either K/V layout
+    q, k, v = _qkv(2, 13, 29, 6, 2, 16, seed=60)
+    pos = jnp.broadcast_to(jnp.arange(16, 29), (2, 13))
+    ref = reference_attention(q, k, v, q_positions_BT=pos, sliding_window=9)
+    hm = reference_attention(q, _head_major(k), _head_major(v), q_positions_BT=pos, sliding_window=9, kv_layout="BKSD")
+    np.testing.assert_allclose(np.asarray(hm), np.asarray(ref), atol=1e-6)
+    fl = attention(q, _head_major(k), _head_major(v), q_positions_BT=pos, sliding_window=9, impl="pallas",
+                   kv_layout="BKSD")
+    np.testing.assert_allclose(np.asarray(fl), np.asarray(ref), atol=F32_TOL)
+    with pytest.raises(ValueError, match="kv_layout"):
+        reference_attention(q, k, v, kv_layout="SBKD")
+    # T == 1 over a head-major cache takes the 4-D decode einsums: same numbers, with every mask
+    q1, pos1 = q[:, :1], jnp.array([[20], [28]])
+    valid = jnp.arange(29)[None, :] % 5 != 3
+    seg_q, seg_k = jnp.array([[1], [2]]), jnp.where(jnp.arange(29)[None, :] < 12, 1, 2).repeat(2, 0)
+    kw = dict(q_positions_BT=pos1, sliding_window=11, k_valid_BS=valid, q_segment_ids_BT=seg_q, k_segment_ids_BS=seg_k)
+    ref1 = reference_attention(q1, k, v, **kw)
+    hm1 = reference_attention(q1, _head_major(k), _head_major(v), kv_layout="BKSD", **kw)
+    np.testing.assert_allclose(np.asarray(hm1), np.asarray(ref1), atol=1e-6)
+    assert float(jnp.max(jnp.abs(ref1 - reference_attention(q1, k, v, q_positions_BT=pos1)))) > 1e-2  # masks matter
+
+
+@pytest.mark.parametrize("H,K", [(4, 4), (8, 2), (6, 3)])
+def test_decode_kernel_reads_head_major_cache(H, K):
+    """The Pallas decode kernel on the dense cache's [B, K, S, D] layout (interpret mode) == the
+    reference over the same cache; unused slots are NaN-poisoned, capacity 150 is padded."""
+    B, S, D = 3, 150, 32
+    q, k, v = _qkv(B, 1, S, H, K, D, seed=70 + H + K)
+    pos = jnp.array([[0], [77], [149]])
+    poison = jnp.arange(S)[None, :, None, None] > pos[:, :, None, None]
+    k_p, v_p = _head_major(jnp.where(poison, jnp.nan, k)), _head_major(jnp.where(poison, jnp.nan, v))
+    ref = reference_attention(q, k, v, q_positions_BT=pos)
+    out = dense_decode(q, k_p, v_p, q_positions_BT=pos, block_k=32, k_splits=4, kv_layout="BKSD")
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
+    win = dense_decode(q, k_p, v_p, q_positions_BT=pos, sliding_window=20, block_k=16, k_splits=3, kv_layout="BKSD")
+    np.testing.assert_allclose(np.asarray(win), np.asarray(reference_attention(q, k, v, q_positions_BT=pos,
+                                                                               sliding_window=20)), atol=F32_TOL)
+    # the jnp twin agrees in both layouts
+    qg = q.reshape(B, K, H // K, D)
+    hm = jax.jit(decode_attention_reference)(qg, dense_source(_head_major(k), _head_major(v), "BKSD"), pos[:, 0] + 1)
+    sm = jax.jit(decode_attention_reference)(qg, dense_source(k, v), pos[:, 0] + 1)
+    np.testing.assert_allclose(np.asarray(hm), np.asarray(sm), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(hm).reshape(B, 1, H, D), np.asarray(ref), atol=F32_TOL)
+
+
+def test_decode_head_major_quantized_source_and_layout_errors():
+    B, S, H, K, D = 2, 64, 4, 2, 16
+    q, k, v = _qkv(B, 1, S, H, K, D, seed=80)
+    kq, ks = quantize_int8(_head_major(k))
+    vq, vs = quantize_int8(_head_major(v))
+    qg = q.reshape(B, K, H // K, D)
+    lens = jnp.array([64, 21])
+    src = scaled_int8_source(kq, ks, vq, vs, kv_layout="BKSD")
+    assert (src.capacity, src.n_kv_heads) == (S, K)
+    out = decode_attention(qg, src, lens, block_k=16, k_splits=2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(decode_attention_reference)(qg, src, lens)),
+                               atol=F32_TOL)
+    sm = scaled_int8_source(*quantize_int8(k), *quantize_int8(v))  # same codes, slot-major
+    np.testing.assert_allclose(np.asarray(out), np.asarray(decode_attention(qg, sm, lens, block_k=16, k_splits=2)),
+                               atol=F32_TOL)
+    # a slot-major cache declared head-major is refused (its K axis reads as 64 heads)
+    with pytest.raises(ValueError, match="kv_layout=BKSD"):
+        decode_attention(qg, dense_source(k, v, "BKSD"), lens)
+    with pytest.raises(ValueError, match="kv_layout"):
+        dense_source(k, v, "KBSD")
+
+
+def test_dense_cache_layer_pallas_decode_equals_ref():
+    """DenseKVCache.update_and_attend, one layer, T = 1: impl='pallas' (decode kernel on the
+    head-major cache) == impl='ref', with a sliding window."""
+    from pallasite.inference.cache import DenseKVCache
+
+    B, S, H, K, D = 2, 40, 4, 2, 16
+    q, k, v = _qkv(B, 1, S, H, K, D, seed=90)
+    _, k_new, v_new = _qkv(B, 1, 1, H, K, D, seed=91)
+    layer = DenseKVCache(k=_head_major(k), v=_head_major(v))
+    pos = jnp.array([[5], [39]])
+    outs = {impl: layer.update_and_attend(q, k_new, v_new, pos, sliding_window=12, impl=impl)
+            for impl in ("ref", "pallas")}
+    np.testing.assert_allclose(np.asarray(outs["pallas"][0]), np.asarray(outs["ref"][0]), atol=F32_TOL)
+    np.testing.assert_array_equal(np.asarray(outs["pallas"][1].k), np.asarray(outs["ref"][1].k))
+
+
 def test_decode_quantized_source_plugs_in():
     # The KVSource seam: an int8 cache with per-(token, head) scales, dequantised in-kernel.
     B, S, H, K, D = 2, 64, 8, 2, 16
