@@ -92,6 +92,12 @@ def _checks() -> list:
         check(f"decode {jnp.dtype(dtype).name} S={S} H={H} K={K}", lambda: maxdiff(
             jax.jit(lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret))(q, k, v, pos),
             ref(f32(q), f32(k), f32(v), q_positions_BT=pos)), tol)
+        # the dense KV cache's own layout: head-major [B, K, S, D] (one contiguous [S, D] block per head)
+        kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        check(f"decode head-major {jnp.dtype(dtype).name} S={S} H={H} K={K}", lambda: maxdiff(
+            jax.jit(lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret,
+                                                    kv_layout="BKSD"))(q, kh, vh, pos),
+            ref(f32(q), f32(k), f32(v), q_positions_BT=pos)), tol)
     q, k, v = rnd((2, 1, 8, 128), jnp.float32, 11), rnd((2, S, 2, 128), jnp.float32, 12), rnd((2, S, 2, 128), jnp.float32, 13)
     kq, ks = quantize_int8(k)
     vq, vs = quantize_int8(v)
