@@ -166,13 +166,13 @@ def _kv4_load(refs, sl):
 
 
 def kv4_source(k_q, k_scale, k_zero, v_q, v_scale, v_zero):
-    """The 4-bit cache (head-major, this module's layout) as a ``ops.attention.decode.KVSource``
-    (slot-major ``[B, S, K, ...]``), so the attention issue's split-K decode kernel can read it.
-    One quantization group per head (``G = 1``)."""
+    """The 4-bit cache (head-major ``[B, K, S, ...]``, this module's layout) as an
+    ``ops.attention.decode.KVSource`` with ``kv_layout="BKSD"``, so the attention issue's split-K
+    decode kernel reads it in place (no per-step transpose of the cache). One quantization group
+    per head (``G = 1``)."""
     from pallasite.ops.attention.decode import KVSource
 
     if k_scale.shape[-1] != 1:
         raise NotImplementedError(f"kv4_source: one quantization group per head expected, got {k_scale.shape[-1]}")
-    sm = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [B, K, S, ...] -> [B, S, K, ...]
-    arrays = (sm(k_q), sm(k_scale[..., 0]), sm(k_zero[..., 0]), sm(v_q), sm(v_scale[..., 0]), sm(v_zero[..., 0]))
-    return KVSource(arrays=arrays, load=_kv4_load, head_dim=2 * k_q.shape[-1])
+    arrays = (k_q, k_scale[..., 0], k_zero[..., 0], v_q, v_scale[..., 0], v_zero[..., 0])
+    return KVSource(arrays=arrays, load=_kv4_load, head_dim=2 * k_q.shape[-1], kv_layout="BKSD")
