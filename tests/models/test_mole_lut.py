@@ -1,6 +1,7 @@
 """MoLE LUT stores: host RAM vs memory-mapped disk file, the checked file header (missing /
 truncated / corrupted / other-model files fail at load), NF4 / NF3 token-wise quantization."""
 
+import json
 import os
 
 import jax
@@ -170,3 +171,21 @@ def test_host_memory_serving_equals_callback_without_a_callback(setup, quant):
     assert store.stats["gathers"] == 0  # no host callback on this path
     with pytest.raises(ValueError, match="memory kind 'no_such_memory'"):
         MD.host_memory_sharding(memory_kind="no_such_memory")
+
+
+@pytest.mark.slow
+def test_experts_benchmark_quick_reports_the_issue_keys(capsys):
+    """``benchmarks/experts.py`` end to end at batch 1 (one repetition, 4 tokens): the JSON line
+    carries the three ratios the issue asks for, the headline MoLE system is the host-memory one,
+    MoLE's device bytes are the dense model's plus the routers, and the offloaded MoE really moves
+    its experts (bytes per token ≫ MoLE's rows). Latencies are not asserted (shared machine)."""
+    from pallasite.benchmarks import experts
+
+    r = experts.main(["--quick", "--batches", "1", "--reps", "1", "--new-tokens", "4", "--skip", "mole_device"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["mole_vs_dense_latency"] == r["mole_vs_dense_latency"]
+    for key in ("mole_vs_dense_latency", "moe_offload_vs_mole_latency", "mole_device_bytes_vs_dense"):
+        assert np.isfinite(r[key]) and r[key] > 0, key
+    assert r["mole_headline_system"] == "mole_host" and "mole_host_error" not in r
+    assert 1.0 < r["mole_device_bytes_vs_dense"] <= 1.05
+    assert r["moe_offload_h2d_bytes_per_token"] > 100 * r["mole_h2d_bytes_per_token"]
