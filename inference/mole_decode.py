@@ -37,6 +37,7 @@ from flax import nnx
 from jax.experimental.compute_on import compute_on
 
 from pallasite.models.mole import LUTRows, mole_config_of
+from pallasite.models.mole_lut import decode_payload
 
 HOST_MEMORY_KIND = "pinned_host"
 
@@ -110,11 +111,14 @@ class LUTServing(nnx.Module):
     then ``with_lut_rows`` and the wrapped model's forward. With ``host_arrays`` (see
     ``serve_in_host_memory``) the same rows come from an in-graph gather in host memory instead."""
 
-    def __init__(self, lut_model, store=None, table=None, host_arrays=None):
+    def __init__(self, lut_model, store=None, table=None, host_arrays=None, lut_meta=None):
         self.inner = lut_model
         self.store = store  # static attribute (identity-hashed): lives on the host, never on the device
         self.table = None if table is None else LUTTable(jnp.asarray(table))
+        # host-memory serving keeps only the arrays (in host memory) and the table's metadata:
+        # holding the numpy store as well would double the host RAM of a multi-GB LUT
         self.host_arrays = None if host_arrays is None else nnx.List([HostLUTArray(a) for a in host_arrays])
+        self.lut_meta = lut_meta
         self.cfg = lut_model.cfg
 
     @property
@@ -138,7 +142,7 @@ class LUTServing(nnx.Module):
             ids = jax.device_put(ids, jax.memory.Space.Host)
             payload = tuple(jax.device_put(_gather_on_host(a[...], ids), jax.memory.Space.Device)
                             for a in self.host_arrays)
-            return self.store.decode(payload)
+            return decode_payload(self.lut_meta, payload)
         store = self.store
         payload = jax.pure_callback(store.host_fetch, store.payload_shapes(tokens_BT.shape),
                                     tokens_BT.astype(jnp.int32), vmap_method="sequential")
@@ -165,8 +169,8 @@ def serve_in_host_memory(lut_model, store, *, device=None, memory_kind: str = HO
         raise ValueError("serve_in_host_memory: the model is not in LUT mode; use models.mole_lut.to_lut_model first")
     store.check_model(lut_model)
     sharding = host_memory_sharding(device, memory_kind)
-    arrays = tuple(jax.device_put(np.asarray(a), sharding) for a in store._arrays())
-    return LUTServing(lut_model, store, host_arrays=arrays)
+    arrays = tuple(jax.device_put(np.asarray(a), sharding) for a in store.arrays)
+    return LUTServing(lut_model, host_arrays=arrays, lut_meta=store.meta)
 
 
 def host_resident_bytes(model) -> int:

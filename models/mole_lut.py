@@ -240,7 +240,16 @@ def storage_ratio(kind: str, block: int, row_len: int) -> float:
 
 
 # ----------------------------------------------------------------------------- stores
-@dataclass
+def decode_payload(meta, payload) -> jax.Array:
+    """Gathered rows as stored (``(rows,)`` or NF ``(codes, scales)``) → rows ``[..., L, N, d]``
+    on the device; depends only on the table's metadata, so a server that keeps the arrays
+    elsewhere (``mole_decode.serve_in_host_memory``) needs no copy of the store."""
+    if meta.quant == "none":
+        return payload[0]
+    return dequantize_rows(payload[0], payload[1], kind=meta.quant, block=meta.block, row_shape=meta.row_shape)
+
+
+@dataclass(frozen=True)  # hashable: a static attribute of serving modules (part of the graphdef)
 class _Meta:
     vocab_size: int
     n_layers: int
@@ -314,10 +323,12 @@ class LUTStore:
         return tuple(np.asarray(a[ids]) for a in self._arrays())
 
     def decode(self, payload) -> jax.Array:
-        if self.meta.quant == "none":
-            return payload[0]
-        return dequantize_rows(payload[0], payload[1], kind=self.meta.quant, block=self.meta.block,
-                               row_shape=self.meta.row_shape)
+        return decode_payload(self.meta, payload)
+
+    @property
+    def arrays(self) -> tuple:
+        """The arrays holding the table: ``(lut,)`` or ``(codes, scales)``, each ``[V, ...]``."""
+        return self._arrays()
 
     def rows(self, ids, device=None) -> jax.Array:
         return self.decode(jax.device_put(self.fetch(ids), device))

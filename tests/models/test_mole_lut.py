@@ -159,7 +159,8 @@ def test_host_memory_serving_equals_callback_without_a_callback(setup, quant):
     fwd = jax.jit(forward, static_argnums=0)
     compiled = fwd.lower(g, s, toks).compile()
     arg_kinds = [sh.memory_kind for sh in jax.tree.leaves(compiled.input_shardings[0])]
-    assert arg_kinds.count(MD.HOST_MEMORY_KIND) == len(store._arrays())  # the table is a host-memory argument
+    assert arg_kinds.count(MD.HOST_MEMORY_KIND) == len(store.arrays)  # the table is a host-memory argument
+    assert served.store is None  # only the host-memory copy is held, not the numpy store too
     store.reset_stats()
     out = np.asarray(fwd(g, s, toks)[0])
     np.testing.assert_array_equal(out, _logits_with_store(model, store, toks))
