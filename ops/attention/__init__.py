@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pallasite.ops.attention.reference import NEG_INF, attention as reference_attention, attention_mask
+from pallasite.ops.attention.reference import KV_LAYOUTS, NEG_INF, attention as reference_attention, attention_mask
 
 _PALLAS_IMPLS: dict[str, Callable] = {}
 
@@ -43,8 +43,8 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, impl: str = "ref", interpret: Optional[
                 raise NotImplementedError("attention impl='pallas' needs ops/attention/flash.py") from e
         if kv_layout == "BKSD":  # the flash kernel's BlockSpecs read [B, S, K, D]
             k_BSKD, v_BSKD = jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)
-        elif kv_layout != "BSKD":
-            raise ValueError(f"attention: kv_layout={kv_layout!r}; expected 'BSKD' or 'BKSD'")
+        elif kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"attention: kv_layout={kv_layout!r}; expected one of {KV_LAYOUTS}")
         return _PALLAS_IMPLS["flash"](q_BTHD, k_BSKD, v_BSKD, interpret=interpret, **kwargs)
     raise ValueError(f"attention impl={impl!r}; expected 'ref' or 'pallas'")
 
