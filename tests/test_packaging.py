@@ -2,6 +2,7 @@
 list in pyproject.toml fails here instead of silently dropping out of ``pip install .``."""
 
 import glob
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,7 +13,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_wheel_contains_every_module(tmp_path, package_modules):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)],
+    # build from a copy: pip builds in the source tree and would leave build/ behind in the checkout
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "venv", "build", "runs", "*.egg-info",
+                                                              ".jax_cache", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(tmp_path)],
                    check=True, capture_output=True, timeout=600)
     (wheel,) = glob.glob(str(tmp_path / "pallasite-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
