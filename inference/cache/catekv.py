@@ -89,7 +89,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallasite.ops.attention import attention
+from pallasite.ops.attention import attention, decode_attention
+from pallasite.ops.attention.kv_source import dense_source
 
 _MASK_FORMAT = "pallasite.catekv.head_mask/v1"
 
@@ -474,8 +475,6 @@ class CateKVCache:
         G = H // self._K
         k_full, v_full, k_sparse, v_sparse = self.views()
         if impl == "pallas" and T == 1:
-            from pallasite.ops.attention.decode import decode_attention, dense_source
-
             pos = positions_BT[:, 0]
 
             def part(qp, kc, vc, kv_len):

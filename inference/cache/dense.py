@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallasite.ops.attention import attention
+from pallasite.ops.attention import attention, decode_attention_dense
 
 
 def _write(cache_BKSD: jax.Array, new_BTKD: jax.Array, positions_BT: jax.Array) -> jax.Array:
@@ -81,17 +81,9 @@ class DenseKVCache:
         k = _write(self.k, k_BTKD, positions_BT)
         v = _write(self.v, v_BTKD, positions_BT)
         if impl == "pallas" and q_BTHD.shape[1] == 1:
-            from pallasite.ops.attention import _PALLAS_IMPLS
-
-            if "decode" not in _PALLAS_IMPLS:
-                try:
-                    from pallasite.ops.attention import decode  # noqa: F401  (registers itself)
-                except ImportError:
-                    pass
-            if "decode" in _PALLAS_IMPLS:
-                out = _PALLAS_IMPLS["decode"](q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
-                                              interpret=interpret, kv_layout="BKSD")
-                return out, DenseKVCache(k=k, v=v)
+            out = decode_attention_dense(q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
+                                         interpret=interpret, kv_layout="BKSD")
+            return out, DenseKVCache(k=k, v=v)
         out = attention(
             q_BTHD, k.astype(q_BTHD.dtype), v.astype(q_BTHD.dtype), q_positions_BT=positions_BT,
             causal=True, sliding_window=sliding_window, impl=impl, interpret=interpret, kv_layout="BKSD",
