@@ -124,9 +124,9 @@ def decode(q_BKGD, src: KVSource, kv_len_B, kv_start_B, *, scale, block_k, k_spl
             return pl.BlockSpec((None, K, bk), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr)))
         rest = a.shape[3:]
         zeros = (0,) * len(rest)
-        if pooled:  # element offset head_base into the pool's head axis
-            return pl.BlockSpec((None, pl.Element(K), bk, *rest),
-                                lambda b, s, t, lr, sr, br: (b, br[0], block(b, s, t, lr, sr), *zeros))
+        if pooled:  # element offsets (Mosaic wants every dim as Element): head_base into the pool's head axis
+            return pl.BlockSpec((None, pl.Element(K), pl.Element(bk), *(pl.Element(r) for r in rest)),
+                                lambda b, s, t, lr, sr, br: (b, br[0], block(b, s, t, lr, sr) * bk, *zeros))
         return pl.BlockSpec((None, K, bk, *rest), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr), *zeros))
 
     out_map = lambda b, s, t, *_: (b, s, 0, 0, 0)  # noqa: E731

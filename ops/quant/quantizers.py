@@ -37,6 +37,15 @@ def qrange_sym(bits: int) -> tuple[int, int]:
     return -qmax - 1, qmax
 
 
+def round_half_even(x: jax.Array) -> jax.Array:
+    """Round to nearest, ties to even, from floor only (the kernels' rounding: Triton has no
+    ``round`` lowering); identical to ``jnp.round``."""
+    r = jnp.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0
+    return jnp.where(tie & odd, r - 1.0, r)
+
+
 def round_ste(x: jax.Array) -> jax.Array:
     """round(x) in the forward pass, identity gradient in the backward pass."""
     return x + jax.lax.stop_gradient(jnp.round(x) - x)
