@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallasite.ops.attention import decode_gpu, decode_tpu
+import pallasite.ops.attention.decode_gpu as decode_gpu
+import pallasite.ops.attention.decode_tpu as decode_tpu
 from pallasite.ops.attention.kv_source import (  # noqa: F401  (re-exported: the decode API)
     KVSource, TPUCodec, dense_source, pooled_source, quantize_int8, scaled_int8_source)
 from pallasite.ops.common import next_pow2

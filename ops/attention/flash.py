@@ -20,7 +20,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from pallasite.ops.attention import flash_gpu, flash_tpu
+import pallasite.ops.attention.flash_gpu as flash_gpu
+import pallasite.ops.attention.flash_tpu as flash_tpu
 from pallasite.ops.attention.reference import KV_LAYOUTS
 from pallasite.ops.attention.reference import attention as reference_attention
 from pallasite.ops.common import next_pow2

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from pallasite.ops.dispatch import Variant, pick_variant
-from pallasite.ops.gmm import gpu, tpu
+import pallasite.ops.gmm.gpu as gpu
+import pallasite.ops.gmm.tpu as tpu
 from pallasite.ops.gmm.layout import check
 from pallasite.ops.gmm.reference import gmm_reference, gmm_tiles, tgmm_reference
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallasite.ops.dispatch import pick_variant, triton_params
-from pallasite.ops.quant import int_gemm_tpu
+import pallasite.ops.quant.int_gemm_tpu as int_gemm_tpu
 from pallasite.ops.quant.int_gemm_tpu import nibbles_i8
 from pallasite.ops.quant.quantizers import pack_int4, unpack_int4
 

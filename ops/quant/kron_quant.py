@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallasite.ops.common import next_pow2
 from pallasite.ops.dispatch import pick_variant, triton_params
-from pallasite.ops.quant import kron_quant_tpu
+import pallasite.ops.quant.kron_quant_tpu as kron_quant_tpu
 from pallasite.ops.quant.quantizers import pack_int4, qrange_sym, round_half_even  # noqa: F401 (re-export)
 
 
