@@ -29,7 +29,7 @@ def next_pow2(n: int, minimum: int = 16) -> int:
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    """``x`` padded with ``value`` at the end of ``axis`` up to ``size`` (no copy when already there)."""
+    """``x`` padded with ``value`` at the end of ``axis`` up to ``size`` (no copy when it is)."""
     pad = size - x.shape[axis]
     if pad == 0:
         return x
@@ -43,8 +43,13 @@ def dot(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False
     operands ask for full precision (no TF32 on GPU, no single bf16 pass on TPU)."""
     exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
-                           precision=lax.Precision.HIGHEST if exact else None)
+    return lax.dot_general(
+        a,
+        b,
+        dims,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST if exact else None,
+    )
 
 
 __all__ = ["default_interpret", "round_up", "next_pow2", "pad_axis", "dot"]

@@ -80,19 +80,27 @@ def pick_variant(interpret: Optional[Any] = None) -> Variant:
         return Variant("tpu", False)
     if where == "gpu":
         return Variant("gpu", False)
-    raise ValueError(f"interpret=False on platform {where!r}: compiled Pallas kernels need a TPU or GPU; "
-                     "pass interpret=None (interpret on CPU) or pltpu.InterpretParams(...)")
+    raise ValueError(
+        f"interpret=False on platform {where!r}: compiled Pallas kernels need a TPU or GPU; "
+        "pass interpret=None (interpret on CPU) or pltpu.InterpretParams(...)"
+    )
 
 
 def triton_params(interpret, num_warps: int = 4, num_stages: int = 2):
     """Compiler parameters of a GPU-variant ``pallas_call``: Triton when compiled (jax's default GPU
     lowering is Mosaic GPU, which these grid kernels are not written for), None when interpreted."""
-    return None if interpret is not False else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return (
+        None
+        if interpret is not False
+        else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    )
 
 
 def tpu_interpret_params(**overrides) -> pltpu.InterpretParams:
     """The TPU interpreter as the tests use it: races detected, uninitialised memory NaN."""
-    return pltpu.InterpretParams(**{"detect_races": True, "uninitialized_memory": "nan", **overrides})
+    return pltpu.InterpretParams(
+        **{"detect_races": True, "uninitialized_memory": "nan", **overrides}
+    )
 
 
 def warn_once(kernel: str, message: str, **shapes) -> None:
@@ -106,7 +114,7 @@ def warn_once(kernel: str, message: str, **shapes) -> None:
 
 
 def warn_fallback(kernel: str, reason: str, **shapes) -> None:
-    """Log (once per ``kernel`` and ``reason``) that a call runs the jnp reference, naming the shapes."""
+    """Log (once per ``kernel`` and ``reason``) that a call runs the jnp reference (and shapes)."""
     warn_once(kernel, f"cannot serve this call ({reason}); using the jnp reference", **shapes)
 
 
@@ -115,5 +123,15 @@ def reset_fallback_warnings() -> None:
     _WARNED.clear()
 
 
-__all__ = ["Variant", "pick_variant", "platform", "target_platform", "triton_params", "tpu_interpret_params",
-           "warn_once", "warn_fallback", "reset_fallback_warnings", "logger"]
+__all__ = [
+    "Variant",
+    "pick_variant",
+    "platform",
+    "target_platform",
+    "triton_params",
+    "tpu_interpret_params",
+    "warn_once",
+    "warn_fallback",
+    "reset_fallback_warnings",
+    "logger",
+]

@@ -32,14 +32,32 @@ ATTENTION.register("ref", _ref_impl)
 ATTENTION.register("pallas", _pallas_impl)
 
 
-def attention(q_BTHD, k, v, *, impl: str = "ref", kv_layout: str = "BSKD", interpret: Optional[Any] = None,
-              **mask_kwargs):
+def attention(
+    q_BTHD,
+    k,
+    v,
+    *,
+    impl: str = "ref",
+    kv_layout: str = "BSKD",
+    interpret: Optional[Any] = None,
+    **mask_kwargs,
+):
     """Grouped-query attention with the impl registered as ``impl``; see ``reference.attention``
     for the masking semantics (positions, segments, key validity, sliding window)."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"attention: kv_layout={kv_layout!r}; expected one of {KV_LAYOUTS}")
-    return ATTENTION.get(impl, field="impl")(q_BTHD, k, v, kv_layout=kv_layout, interpret=interpret, **mask_kwargs)
+    return ATTENTION.get(impl, field="impl")(
+        q_BTHD, k, v, kv_layout=kv_layout, interpret=interpret, **mask_kwargs
+    )
 
 
-__all__ = ["attention", "attention_mask", "reference_attention", "flash_attention", "decode_attention",
-           "decode_attention_dense", "NEG_INF", "KV_LAYOUTS"]
+__all__ = [
+    "attention",
+    "attention_mask",
+    "reference_attention",
+    "flash_attention",
+    "decode_attention",
+    "decode_attention_dense",
+    "NEG_INF",
+    "KV_LAYOUTS",
+]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BIG = 2 ** 30  # "no key" sentinel for block min / max positions (int32-safe)
+BIG = 2**30  # "no key" sentinel for block min / max positions (int32-safe)
 
 
 def visible(qpos, kpos, kvalid, qseg, kseg, *, causal, window, use_segments):
-    """Boolean visibility; q-side operands shaped ``[bq, 1]``, k-side ``[1, bk]`` (they broadcast)."""
+    """Boolean visibility; q-side operands ``[bq, 1]``, k-side ``[1, bk]`` (they broadcast)."""
     mask = kvalid != 0
     if causal:
         mask = mask & (kpos <= qpos)
@@ -29,12 +29,15 @@ def visible(qpos, kpos, kvalid, qseg, kseg, *, causal, window, use_segments):
 
 def block_bounds(pos_BS: jax.Array, valid_BS: jax.Array, block: int):
     """Per block of ``block`` entries: min / max position over valid entries, sentinels (BIG, -BIG)
-    when the block has none. ``S`` must be a multiple of ``block``. -> two int32 ``[B, S // block]``."""
+    when the block has none. ``S`` must be a multiple of ``block``. -> two int32
+    ``[B, S // block]``."""
     B, S = pos_BS.shape
     pos = pos_BS.reshape(B, S // block, block)
     ok = valid_BS.reshape(B, S // block, block) != 0
-    return (jnp.min(jnp.where(ok, pos, BIG), axis=-1).astype(jnp.int32),
-            jnp.max(jnp.where(ok, pos, -BIG), axis=-1).astype(jnp.int32))
+    return (
+        jnp.min(jnp.where(ok, pos, BIG), axis=-1).astype(jnp.int32),
+        jnp.max(jnp.where(ok, pos, -BIG), axis=-1).astype(jnp.int32),
+    )
 
 
 def block_range(bmin, bmax, qmin, qmax, *, causal, window):
@@ -49,8 +52,10 @@ def block_range(bmin, bmax, qmin, qmax, *, causal, window):
     if window is not None:
         vis &= bmax > qmin - window
     ids = jnp.arange(n, dtype=jnp.int32)
-    return (jnp.min(jnp.where(vis, ids, n), axis=-1).astype(jnp.int32),
-            jnp.max(jnp.where(vis, ids + 1, 0), axis=-1).astype(jnp.int32))
+    return (
+        jnp.min(jnp.where(vis, ids, n), axis=-1).astype(jnp.int32),
+        jnp.max(jnp.where(vis, ids + 1, 0), axis=-1).astype(jnp.int32),
+    )
 
 
 def query_block_range(qmin, qmax, kmin, kmax, *, causal, window):
@@ -64,8 +69,10 @@ def query_block_range(qmin, qmax, kmin, kmax, *, causal, window):
     if window is not None:
         vis &= qmin - kmax < window
     ids = jnp.arange(n, dtype=jnp.int32)
-    return (jnp.min(jnp.where(vis, ids, n), axis=-1).astype(jnp.int32),
-            jnp.max(jnp.where(vis, ids + 1, 0), axis=-1).astype(jnp.int32))
+    return (
+        jnp.min(jnp.where(vis, ids, n), axis=-1).astype(jnp.int32),
+        jnp.max(jnp.where(vis, ids + 1, 0), axis=-1).astype(jnp.int32),
+    )
 
 
 __all__ = ["BIG", "visible", "block_bounds", "block_range", "query_block_range"]

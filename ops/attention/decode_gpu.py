@@ -26,7 +26,9 @@ DEFAULT_BLOCK_K = 128
 DEFAULT_K_SPLITS = 16
 
 
-def _decode_kernel(lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, block_k, blocks_per_split, n_blocks):
+def _decode_kernel(
+    lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, block_k, blocks_per_split, n_blocks
+):
     kv_refs = refs[:n_arrays]  # whole slot axis of this (row, head); the split picks its blocks
     o_ref, m_ref, l_ref = refs[n_arrays:]
     j = pl.program_id(2)
@@ -61,17 +63,35 @@ def _decode_kernel(lens_ref, starts_ref, q_ref, *refs, load, n_arrays, scale, bl
         acc = corr[:, None] * acc + dot(p.astype(v.dtype), v)
         return acc, m_new, l_new
 
-    init = (jnp.zeros((Gp, Dp), jnp.float32), jnp.full((Gp,), -jnp.inf, jnp.float32), jnp.zeros((Gp,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    init = (
+        jnp.zeros((Gp, Dp), jnp.float32),
+        jnp.full((Gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((Gp,), jnp.float32),
+    )
+    acc, m, denom = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = acc
     m_ref[...] = m
-    l_ref[...] = l
+    l_ref[...] = denom
 
 
-@functools.partial(jax.jit, static_argnames=("load", "head_dim", "scale", "block_k", "k_splits", "interpret",
-                                             "kv_layout"))
-def decode(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale, block_k, k_splits, interpret,
-           kv_layout):
+@functools.partial(
+    jax.jit,
+    static_argnames=("load", "head_dim", "scale", "block_k", "k_splits", "interpret", "kv_layout"),
+)
+def decode(
+    q_BKGD,
+    arrays,
+    kv_len_B,
+    kv_start_B,
+    *,
+    load,
+    head_dim,
+    scale,
+    block_k,
+    k_splits,
+    interpret,
+    kv_layout,
+):
     B, K, G, D = q_BKGD.shape
     slot_axis = 2 if kv_layout == "BKSD" else 1
     S = arrays[0].shape[slot_axis]
@@ -97,9 +117,16 @@ def decode(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale, block
         return pl.BlockSpec((None, Sp, None, *rest), lambda b, h, j: (b, 0, h, *zeros))
 
     row = pl.BlockSpec((None,), lambda b, h, j: (b,))
-    kernel = functools.partial(_decode_kernel, load=load, n_arrays=len(arrays), scale=scale, block_k=bk,
-                               blocks_per_split=blocks_per_split, n_blocks=n_blocks)
-    o, m, l = pl.pallas_call(
+    kernel = functools.partial(
+        _decode_kernel,
+        load=load,
+        n_arrays=len(arrays),
+        scale=scale,
+        block_k=bk,
+        blocks_per_split=blocks_per_split,
+        n_blocks=n_blocks,
+    )
+    o, m, denom = pl.pallas_call(
         kernel,
         grid=(B, K, n_splits),
         in_specs=[row, row, pl.BlockSpec((None, None, Gp, Dp), lambda b, h, j: (b, h, 0, 0))]
@@ -118,7 +145,7 @@ def decode(q_BKGD, arrays, kv_len_B, kv_start_B, *, load, head_dim, scale, block
         compiler_params=triton_params(interpret),
         name="pallasite_decode_attention",
     )(kv_len_B.astype(jnp.int32), kv_start_B.astype(jnp.int32), q, *arrays)
-    return merge_splits((o,), m, l, axis=2)[0][:, :, :G, :head_dim]
+    return merge_splits((o,), m, denom, axis=2)[0][:, :, :G, :head_dim]
 
 
 __all__ = ["decode", "DEFAULT_BLOCK_K", "DEFAULT_K_SPLITS"]

@@ -39,14 +39,16 @@ class _Mask:
         self.col = (col >= start) & (col < length)
 
 
-def _kernel(len_ref, start_ref, base_ref, q_ref, *refs, codec, n_arrays, scale, bk, bps, n_blocks, K):
+def _kernel(
+    len_ref, start_ref, base_ref, q_ref, *refs, codec, n_arrays, scale, bk, bps, n_blocks, K
+):
     del base_ref  # used by the index maps only
     n_parts = len(codec.widths)
     arrays = refs[:n_arrays]
-    o_refs = refs[n_arrays:n_arrays + n_parts]
-    m_out, l_out = refs[n_arrays + n_parts:n_arrays + n_parts + 2]
-    m_sc, l_sc = refs[n_arrays + n_parts + 2:n_arrays + n_parts + 4]
-    acc_scs = refs[n_arrays + n_parts + 4:]
+    o_refs = refs[n_arrays : n_arrays + n_parts]
+    m_out, l_out = refs[n_arrays + n_parts : n_arrays + n_parts + 2]
+    m_sc, l_sc = refs[n_arrays + n_parts + 2 : n_arrays + n_parts + 4]
+    acc_scs = refs[n_arrays + n_parts + 4 :]
     b, split, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     blk = split * bps + t
     length, start = len_ref[b], start_ref[b]
@@ -82,13 +84,13 @@ def _kernel(len_ref, start_ref, base_ref, q_ref, *refs, codec, n_arrays, scale, 
         l_out[...] = l_sc[...]
 
 
-def merge_splits(parts, m, l, axis):
+def merge_splits(parts, m, denom, axis):
     """Combine per-split partial outputs (split axis ``axis``) with the log-sum-exp correction;
     splits with no visible key have m = -inf and weight 0; rows with none at all return 0."""
     m_max = jnp.max(m, axis=axis, keepdims=True)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - m_max)
-    den = jnp.sum(w * l, axis=axis)
+    den = jnp.sum(w * denom, axis=axis)
     den = jnp.where(den == 0.0, 1.0, den)[..., None]
     return tuple(jnp.sum(w[..., None] * o, axis=axis) / den for o in parts)
 
@@ -111,28 +113,44 @@ def decode(q_BKGD, src: KVSource, kv_len_B, kv_start_B, *, scale, block_k, k_spl
     pooled = src.head_base is not None
 
     def block(b, split, t, len_ref, start_ref):
-        """The slot block this step reads: the split's visible blocks, then the last of them again."""
+        """The slot block this step reads: the split's visible blocks, then the last one again."""
         first = split * bps
         lo = jnp.maximum(start_ref[b] // bk, first)
         hi = jnp.minimum(pl.cdiv(len_ref[b], bk), jnp.minimum(first + bps, n_blocks))
         return jnp.clip(jnp.minimum(lo + t, jnp.maximum(hi - 1, lo)), 0, n_blocks - 1)
 
     def spec(a):
-        if a.ndim == 3:  # per-token [B, K, S]: the whole K axis (a pool window would break (8, 128))
+        if (
+            a.ndim == 3
+        ):  # per-token [B, K, S]: the whole K axis (a pool window would break (8, 128))
             if pooled:
                 raise ValueError("decode (TPU): a pooled source holds only [B, N, S, D] arrays")
-            return pl.BlockSpec((None, K, bk), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr)))
+            return pl.BlockSpec(
+                (None, K, bk), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr))
+            )
         rest = a.shape[3:]
         zeros = (0,) * len(rest)
-        if pooled:  # element offsets (Mosaic wants every dim as Element): head_base into the pool's head axis
-            return pl.BlockSpec((None, pl.Element(K), pl.Element(bk), *(pl.Element(r) for r in rest)),
-                                lambda b, s, t, lr, sr, br: (b, br[0], block(b, s, t, lr, sr) * bk, *zeros))
-        return pl.BlockSpec((None, K, bk, *rest), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr), *zeros))
+        if pooled:  # element offsets (Mosaic wants every dim an Element): head_base into the pool
+            return pl.BlockSpec(
+                (None, pl.Element(K), pl.Element(bk), *(pl.Element(r) for r in rest)),
+                lambda b, s, t, lr, sr, br: (b, br[0], block(b, s, t, lr, sr) * bk, *zeros),
+            )
+        return pl.BlockSpec(
+            (None, K, bk, *rest), lambda b, s, t, lr, sr, br: (b, 0, block(b, s, t, lr, sr), *zeros)
+        )
 
     out_map = lambda b, s, t, *_: (b, s, 0, 0, 0)  # noqa: E731
     widths = codec.widths
-    kernel = functools.partial(_kernel, codec=codec, n_arrays=len(arrays), scale=scale, bk=bk, bps=bps,
-                               n_blocks=n_blocks, K=K)
+    kernel = functools.partial(
+        _kernel,
+        codec=codec,
+        n_arrays=len(arrays),
+        scale=scale,
+        bk=bk,
+        bps=bps,
+        n_blocks=n_blocks,
+        K=K,
+    )
     base = (src.head_base if pooled else jnp.zeros((), jnp.int32)).reshape(1).astype(jnp.int32)
     outs = pl.pallas_call(
         kernel,
@@ -148,7 +166,9 @@ def decode(q_BKGD, src: KVSource, kv_len_B, kv_start_B, *, scale, block_k, k_spl
         ),
         out_shape=[jax.ShapeDtypeStruct((B, n_splits, K, Gp, w), jnp.float32) for w in widths]
         + [jax.ShapeDtypeStruct((B, n_splits, K, Gp, LANES), jnp.float32)] * 2,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="pallasite_decode_tpu",
     )(kv_len_B, kv_start_B, base, q, *arrays)
@@ -156,7 +176,7 @@ def decode(q_BKGD, src: KVSource, kv_len_B, kv_start_B, *, scale, block_k, k_spl
     parts = merge_splits(outs[:n], outs[n][..., 0], outs[n + 1][..., 0], axis=1)
     parts = tuple(p[:, :, :G] for p in parts)
     out = codec.out(parts) if codec.out is not None else parts[0]
-    return out[..., :src.head_dim]
+    return out[..., : src.head_dim]
 
 
 __all__ = ["decode", "merge_splits", "DEFAULT_BLOCK_K", "DEFAULT_K_SPLITS"]

@@ -40,8 +40,15 @@ class _Static:
     backward: str
 
     def kernel_kwargs(self) -> dict[str, Any]:
-        return dict(causal=self.causal, window=self.window, use_segments=self.use_segments, scale=self.scale,
-                    block_q=self.block_q, block_k=self.block_k, interpret=self.variant.interpret)
+        return dict(
+            causal=self.causal,
+            window=self.window,
+            use_segments=self.use_segments,
+            scale=self.scale,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            interpret=self.variant.interpret,
+        )
 
 
 def _impl(st: _Static):
@@ -61,17 +68,28 @@ def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, kvalid, st):
 def _flash_bwd(st, res, g):
     q, k, v, qpos, kpos, qseg, kseg, kvalid, out, lse = res
     if st.backward == "pallas":
-        dq, dk, dv = _impl(st).backward(q, k, v, qpos, kpos, qseg, kseg, kvalid, out, lse, g, **st.kernel_kwargs())
+        dq, dk, dv = _impl(st).backward(
+            q, k, v, qpos, kpos, qseg, kseg, kvalid, out, lse, g, **st.kernel_kwargs()
+        )
     else:
-        # the reference reads the variant's own layouts: TPU q/out are [B, H, T, D], k/v [B, K, S, D]
+        # the reference reads the variant's layouts (TPU: q / out [B, H, T, D], k / v [B, K, S, D])
         tpu = st.variant.kind == "tpu"
 
         def ref(q_, k_, v_):
             o = reference_attention(
-                jnp.swapaxes(q_, 1, 2) if tpu else q_, k_, v_, q_positions_BT=qpos, k_positions_BS=kpos,
-                causal=st.causal, sliding_window=st.window, q_segment_ids_BT=qseg if st.use_segments else None,
-                k_segment_ids_BS=kseg if st.use_segments else None, k_valid_BS=kvalid != 0, scale=st.scale,
-                kv_layout="BKSD" if tpu else "BSKD")
+                jnp.swapaxes(q_, 1, 2) if tpu else q_,
+                k_,
+                v_,
+                q_positions_BT=qpos,
+                k_positions_BS=kpos,
+                causal=st.causal,
+                sliding_window=st.window,
+                q_segment_ids_BT=qseg if st.use_segments else None,
+                k_segment_ids_BS=kseg if st.use_segments else None,
+                k_valid_BS=kvalid != 0,
+                scale=st.scale,
+                kv_layout="BKSD" if tpu else "BSKD",
+            )
             return jnp.swapaxes(o, 1, 2) if tpu else o
 
         _, vjp = jax.vjp(ref, q, k, v)
@@ -109,20 +127,33 @@ def flash_attention(
     see ``ops.dispatch.pick_variant``.
     """
     if backward not in ("pallas", "reference"):
-        raise ValueError(f"flash_attention: backward={backward!r}; expected 'pallas' or 'reference'")
+        raise ValueError(
+            f"flash_attention: backward={backward!r}; expected 'pallas' or 'reference'"
+        )
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"flash_attention: kv_layout={kv_layout!r}; expected one of {KV_LAYOUTS}")
     B, T, H, D = q_BTHD.shape
     head_major = kv_layout == "BKSD"
-    if k_BSKD.ndim != 4 or v_BSKD.shape != k_BSKD.shape or k_BSKD.shape[0] != B or k_BSKD.shape[3] != D:
+    if (
+        k_BSKD.ndim != 4
+        or v_BSKD.shape != k_BSKD.shape
+        or k_BSKD.shape[0] != B
+        or k_BSKD.shape[3] != D
+    ):
         want = "[B, K, S, D]" if head_major else "[B, S, K, D]"
-        raise ValueError(f"flash_attention: expected k, v {want} with B={B}, D={D} (kv_layout={kv_layout}), "
-                         f"got k {k_BSKD.shape}, v {v_BSKD.shape}")
+        raise ValueError(
+            f"flash_attention: expected k, v {want} with B={B}, D={D} (kv_layout={kv_layout}), "
+            f"got k {k_BSKD.shape}, v {v_BSKD.shape}"
+        )
     K, S = (k_BSKD.shape[1], k_BSKD.shape[2]) if head_major else (k_BSKD.shape[2], k_BSKD.shape[1])
     if H % K:
-        raise ValueError(f"flash_attention: {H} query heads are not a multiple of {K} key/value heads")
+        raise ValueError(
+            f"flash_attention: {H} query heads are not a multiple of {K} key/value heads"
+        )
     if (q_segment_ids_BT is None) != (k_segment_ids_BS is None):
-        raise ValueError("flash_attention: pass both q_segment_ids_BT and k_segment_ids_BS, or neither")
+        raise ValueError(
+            "flash_attention: pass both q_segment_ids_BT and k_segment_ids_BS, or neither"
+        )
     variant = pick_variant(interpret)
     if q_positions_BT is None:
         q_positions_BT = jnp.arange(T, dtype=jnp.int32) + (S - T)
@@ -135,17 +166,29 @@ def flash_attention(
     qpos = jnp.broadcast_to(q_positions_BT, (B, T)).astype(jnp.int32)
     kpos = jnp.broadcast_to(k_positions_BS, (B, S)).astype(jnp.int32)
     impl = flash_tpu if variant.kind == "tpu" else flash_gpu
-    st = _Static(causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
-                 use_segments=use_segments, scale=float(D ** -0.5 if scale is None else scale),
-                 block_q=int(block_q or impl.DEFAULT_BLOCK_Q), block_k=int(block_k or impl.DEFAULT_BLOCK_K),
-                 variant=variant, backward=backward)
+    st = _Static(
+        causal=bool(causal),
+        window=None if sliding_window is None else int(sliding_window),
+        use_segments=use_segments,
+        scale=float(D**-0.5 if scale is None else scale),
+        block_q=int(block_q or impl.DEFAULT_BLOCK_Q),
+        block_k=int(block_k or impl.DEFAULT_BLOCK_K),
+        variant=variant,
+        backward=backward,
+    )
     if variant.kind == "tpu":  # head-major q [B, H, T, D] and k / v [B, K, S, D]
-        k, v = (k_BSKD, v_BSKD) if head_major else (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2))
+        k, v = (
+            (k_BSKD, v_BSKD)
+            if head_major
+            else (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2))
+        )
         out = _flash(jnp.swapaxes(q_BTHD, 1, 2), k, v, qpos, kpos, qseg, kseg, kvalid, st)
         return jnp.swapaxes(out, 1, 2)
     # GPU variant: slot-major k / v [B, S, K, D]; block sizes are powers of two >= 16
     st = dataclasses.replace(st, block_q=next_pow2(st.block_q), block_k=next_pow2(st.block_k))
-    k, v = (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)) if head_major else (k_BSKD, v_BSKD)
+    k, v = (
+        (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)) if head_major else (k_BSKD, v_BSKD)
+    )
     return _flash(q_BTHD, k, v, qpos, kpos, qseg, kseg, kvalid, st)
 
 

@@ -60,15 +60,25 @@ def q_info(qpos_BT, qseg_BT, Tp):
 
 
 def k_info(kpos_BS, kvalid_BS, kseg_BS, Sp):
-    """``[B, 8, Sp]`` int32: row 0 the position, row 1 validity (padding is invalid), row 2 the segment."""
-    info = jnp.stack([pad_axis(kpos_BS, 1, Sp), pad_axis(kvalid_BS, 1, Sp), pad_axis(kseg_BS, 1, Sp)], axis=1)
+    """``[B, 8, Sp]`` int32: row 0 position, row 1 validity (padding: invalid), row 2 segment."""
+    info = jnp.stack(
+        [pad_axis(kpos_BS, 1, Sp), pad_axis(kvalid_BS, 1, Sp), pad_axis(kseg_BS, 1, Sp)], axis=1
+    )
     return pad_axis(info.astype(jnp.int32), 1, 8)
 
 
 def _mask(qi_ref, ki_ref, *, causal, window, use_segments):
     qi, ki = qi_ref[...], ki_ref[...]
-    return visible(qi[:, 0:1], ki[0:1, :], ki[1:2, :], qi[:, 1:2], ki[2:3, :],
-                   causal=causal, window=window, use_segments=use_segments)
+    return visible(
+        qi[:, 0:1],
+        ki[0:1, :],
+        ki[1:2, :],
+        qi[:, 1:2],
+        ki[2:3, :],
+        causal=causal,
+        window=window,
+        use_segments=use_segments,
+    )
 
 
 def _clamped(lo, hi, step, n):
@@ -83,8 +93,12 @@ def _ranges(qpos, kpos, kvalid, T, bq, bk, Tp, Sp, *, causal, window):
     q_real = pad_axis(jnp.ones((B, T), jnp.int32), 1, Tp)
     qmin, qmax = block_bounds(pad_axis(qpos, 1, Tp), q_real, bq)  # [B, nq]
     kmin, kmax = block_bounds(pad_axis(kpos, 1, Sp), pad_axis(kvalid, 1, Sp), bk)  # [B, nk]
-    k_lo, k_hi = block_range(kmin[:, None, :], kmax[:, None, :], qmin, qmax, causal=causal, window=window)
-    q_lo, q_hi = query_block_range(qmin[:, None, :], qmax[:, None, :], kmin, kmax, causal=causal, window=window)
+    k_lo, k_hi = block_range(
+        kmin[:, None, :], kmax[:, None, :], qmin, qmax, causal=causal, window=window
+    )
+    q_lo, q_hi = query_block_range(
+        qmin[:, None, :], qmax[:, None, :], kmin, kmax, causal=causal, window=window
+    )
     return k_lo.reshape(-1), k_hi.reshape(-1), q_lo.reshape(-1), q_hi.reshape(-1)
 
 
@@ -93,8 +107,26 @@ def _params(*semantics):
 
 
 # ----------------------------------------------------------------------------- forward
-def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qi_ref, ki_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc,
-                *, scale, causal, window, use_segments, nq):
+def _fwd_kernel(
+    lo_ref,
+    hi_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qi_ref,
+    ki_ref,
+    o_ref,
+    lse_ref,
+    m_sc,
+    l_sc,
+    acc_sc,
+    *,
+    scale,
+    causal,
+    window,
+    use_segments,
+    nq,
+):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = lo_ref[b * nq + i], hi_ref[b * nq + i]
     D = acc_sc.shape[1]
@@ -108,7 +140,11 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qi_ref, ki_ref, o_ref, lse_
     @pl.when(lo + j < hi)
     def _step():
         s = dot(q_ref[...], k_ref[...], trans_b=True) * scale  # [bq, bk] float32
-        s = jnp.where(_mask(qi_ref, ki_ref, causal=causal, window=window, use_segments=use_segments), s, -jnp.inf)
+        s = jnp.where(
+            _mask(qi_ref, ki_ref, causal=causal, window=window, use_segments=use_segments),
+            s,
+            -jnp.inf,
+        )
         m_prev = m_sc[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: keep exp() finite
@@ -121,14 +157,30 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qi_ref, ki_ref, o_ref, lse_
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        l = l_sc[...]
-        empty = l == 0.0  # no visible key: output 0, lse +inf (no gradient)
-        o_ref[...] = (acc_sc[...] / lanes(jnp.where(empty, 1.0, l), D)).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(empty, jnp.inf, m_sc[...] + jnp.log(jnp.where(empty, 1.0, l)))
+        denom = l_sc[...]
+        empty = denom == 0.0  # no visible key: output 0, lse +inf (no gradient)
+        o_ref[...] = (acc_sc[...] / lanes(jnp.where(empty, 1.0, denom), D)).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(empty, jnp.inf, m_sc[...] + jnp.log(jnp.where(empty, 1.0, denom)))
 
 
-def forward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, *, causal, window, use_segments, scale,
-            block_q, block_k, interpret):
+def forward(
+    q_BHTD,
+    k_BKSD,
+    v_BKSD,
+    qpos,
+    kpos,
+    qseg,
+    kseg,
+    kvalid,
+    *,
+    causal,
+    window,
+    use_segments,
+    scale,
+    block_q,
+    block_k,
+    interpret,
+):
     """-> (out [B, H, T, D] in q's dtype, lse [B, H, Tp] float32)."""
     B, H, T, D = q_BHTD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
@@ -146,8 +198,9 @@ def forward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, *, causal, w
         return b, 0, _clamped(lo_ref[b * nq + i], hi_ref[b * nq + i], j, nk)
 
     q_map = lambda b, h, i, j, *_: (b, h, i, 0)  # noqa: E731
-    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, window=window,
-                               use_segments=use_segments, nq=nq)
+    kernel = functools.partial(
+        _fwd_kernel, scale=scale, causal=causal, window=window, use_segments=use_segments, nq=nq
+    )
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -160,13 +213,20 @@ def forward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, *, causal, w
                 pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
                 pl.BlockSpec((None, 8, bk), ki_map),
             ],
-            out_specs=[pl.BlockSpec((None, None, bq, D), q_map),
-                       pl.BlockSpec((None, None, bq, LANES), q_map)],
-            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                            pltpu.VMEM((bq, D), jnp.float32)],
+            out_specs=[
+                pl.BlockSpec((None, None, bq, D), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, D), jnp.float32),
+            ],
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, D), q_BHTD.dtype),
-                   jax.ShapeDtypeStruct((B, H, Tp, LANES), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, Tp, D), q_BHTD.dtype),
+            jax.ShapeDtypeStruct((B, H, Tp, LANES), jnp.float32),
+        ],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=interpret,
         name="pallasite_flash_fwd_tpu",
@@ -175,8 +235,28 @@ def forward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, *, causal, w
 
 
 # ----------------------------------------------------------------------------- backward
-def _dkv_kernel(lo_ref, hi_ref, q_ref, do_ref, lse_ref, delta_ref, qi_ref, k_ref, v_ref, ki_ref,
-                dk_ref, dv_ref, dk_sc, dv_sc, *, scale, causal, window, use_segments, nk):
+def _dkv_kernel(
+    lo_ref,
+    hi_ref,
+    q_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qi_ref,
+    k_ref,
+    v_ref,
+    ki_ref,
+    dk_ref,
+    dv_ref,
+    dk_sc,
+    dv_sc,
+    *,
+    scale,
+    causal,
+    window,
+    use_segments,
+    nk,
+):
     b, jk, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     lo, hi = lo_ref[b * nk + jk], hi_ref[b * nk + jk]
 
@@ -201,8 +281,26 @@ def _dkv_kernel(lo_ref, hi_ref, q_ref, do_ref, lse_ref, delta_ref, qi_ref, k_ref
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(lo_ref, hi_ref, q_ref, do_ref, lse_ref, delta_ref, qi_ref, k_ref, v_ref, ki_ref, dq_ref, dq_sc,
-               *, scale, causal, window, use_segments, nq):
+def _dq_kernel(
+    lo_ref,
+    hi_ref,
+    q_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qi_ref,
+    k_ref,
+    v_ref,
+    ki_ref,
+    dq_ref,
+    dq_sc,
+    *,
+    scale,
+    causal,
+    window,
+    use_segments,
+    nq,
+):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = lo_ref[b * nq + i], hi_ref[b * nq + i]
 
@@ -224,19 +322,43 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, do_ref, lse_ref, delta_ref, qi_ref, k_ref,
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def backward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, out_BHTD, lse_BHT, g_BHTD, *, causal,
-             window, use_segments, scale, block_q, block_k, interpret):
-    """FlashAttention-2 backward: dK/dV per key block (all G heads of its group), dQ per query block."""
+def backward(
+    q_BHTD,
+    k_BKSD,
+    v_BKSD,
+    qpos,
+    kpos,
+    qseg,
+    kseg,
+    kvalid,
+    out_BHTD,
+    lse_BHT,
+    g_BHTD,
+    *,
+    causal,
+    window,
+    use_segments,
+    scale,
+    block_q,
+    block_k,
+    interpret,
+):
+    """FlashAttention-2 backward: dK/dV per key block (all G heads of its group), dQ per q block."""
     B, H, T, D = q_BHTD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
     bq, bk, Tp, Sp = geometry(T, S, q_BHTD.dtype, block_q, block_k)
     nq, nk = Tp // bq, Sp // bk
-    k_lo, k_hi, q_lo, q_hi = _ranges(qpos, kpos, kvalid, T, bq, bk, Tp, Sp, causal=causal, window=window)
+    k_lo, k_hi, q_lo, q_hi = _ranges(
+        qpos, kpos, kvalid, T, bq, bk, Tp, Sp, causal=causal, window=window
+    )
     delta = jnp.sum(g_BHTD.astype(jnp.float32) * out_BHTD.astype(jnp.float32), axis=-1)  # [B, H, T]
     rows = lambda x: jnp.broadcast_to(pad_axis(x, 2, Tp)[..., None], (B, H, Tp, LANES))  # noqa: E731
     lse, delta = rows(lse_BHT[:, :, :T]), rows(delta)
-    q, do = pad_axis(q_BHTD, 2, Tp), pad_axis(g_BHTD.astype(q_BHTD.dtype), 2, Tp)  # padded rows: no gradient
+    q, do = (
+        pad_axis(q_BHTD, 2, Tp),
+        pad_axis(g_BHTD.astype(q_BHTD.dtype), 2, Tp),
+    )  # padded rows: no gradient
     k, v = pad_axis(k_BKSD, 2, Sp), pad_axis(v_BKSD, 2, Sp)
     qi, ki = q_info(qpos, qseg, Tp), k_info(kpos, kvalid, kseg, Sp)
     kw = dict(scale=scale, causal=causal, window=window, use_segments=use_segments)
@@ -254,15 +376,23 @@ def backward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, out_BHTD, l
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, K, nk, G, nq),
-            in_specs=[pl.BlockSpec((None, None, bq, D), qd_map), pl.BlockSpec((None, None, bq, D), qd_map),
-                      pl.BlockSpec((None, None, bq, LANES), qd_map), pl.BlockSpec((None, None, bq, LANES), qd_map),
-                      pl.BlockSpec((None, bq, LANES), qi_map),
-                      pl.BlockSpec((None, None, bk, D), kv_map), pl.BlockSpec((None, None, bk, D), kv_map),
-                      pl.BlockSpec((None, 8, bk), lambda b, h, jk, g, i, *_: (b, 0, jk))],
+            in_specs=[
+                pl.BlockSpec((None, None, bq, D), qd_map),
+                pl.BlockSpec((None, None, bq, D), qd_map),
+                pl.BlockSpec((None, None, bq, LANES), qd_map),
+                pl.BlockSpec((None, None, bq, LANES), qd_map),
+                pl.BlockSpec((None, bq, LANES), qi_map),
+                pl.BlockSpec((None, None, bk, D), kv_map),
+                pl.BlockSpec((None, None, bk, D), kv_map),
+                pl.BlockSpec((None, 8, bk), lambda b, h, jk, g, i, *_: (b, 0, jk)),
+            ],
             out_specs=[pl.BlockSpec((None, None, bk, D), kv_map)] * 2,
             scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32)] * 2,
         ),
-        out_shape=[jax.ShapeDtypeStruct((B, K, Sp, D), k_BKSD.dtype), jax.ShapeDtypeStruct((B, K, Sp, D), v_BKSD.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, Sp, D), k_BKSD.dtype),
+            jax.ShapeDtypeStruct((B, K, Sp, D), v_BKSD.dtype),
+        ],
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         interpret=interpret,
         name="pallasite_flash_dkv_tpu",
@@ -281,11 +411,16 @@ def backward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, out_BHTD, l
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, H, nq, nk),
-            in_specs=[pl.BlockSpec((None, None, bq, D), q_map), pl.BlockSpec((None, None, bq, D), q_map),
-                      pl.BlockSpec((None, None, bq, LANES), q_map), pl.BlockSpec((None, None, bq, LANES), q_map),
-                      pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
-                      pl.BlockSpec((None, None, bk, D), kv_walk), pl.BlockSpec((None, None, bk, D), kv_walk),
-                      pl.BlockSpec((None, 8, bk), ki_walk)],
+            in_specs=[
+                pl.BlockSpec((None, None, bq, D), q_map),
+                pl.BlockSpec((None, None, bq, D), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+                pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
+                pl.BlockSpec((None, None, bk, D), kv_walk),
+                pl.BlockSpec((None, None, bk, D), kv_walk),
+                pl.BlockSpec((None, 8, bk), ki_walk),
+            ],
             out_specs=pl.BlockSpec((None, None, bq, D), q_map),
             scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32)],
         ),
@@ -297,4 +432,12 @@ def backward(q_BHTD, k_BKSD, v_BKSD, qpos, kpos, qseg, kseg, kvalid, out_BHTD, l
     return dq[:, :, :T], dk[:, :, :S], dv[:, :, :S]
 
 
-__all__ = ["forward", "backward", "geometry", "sublanes", "lanes", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+__all__ = [
+    "forward",
+    "backward",
+    "geometry",
+    "sublanes",
+    "lanes",
+    "DEFAULT_BLOCK_Q",
+    "DEFAULT_BLOCK_K",
+]

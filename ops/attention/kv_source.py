@@ -1,4 +1,4 @@
-"""``KVSource``: how the decode kernel reads a KV cache it does not own (dense, int8, 4-bit, pooled).
+"""``KVSource``: how the decode kernels read a KV cache they do not own (dense, int8, 4-bit, pool).
 
 A source is a pytree: ``arrays`` (layout ``[B, K, S, ...]`` head-major, ``kv_layout="BKSD"``, or
 ``[B, S, K, ...]`` slot-major, ``"BSKD"``; only the first three axes are meant) plus static
@@ -32,8 +32,9 @@ class TPUCodec:
     ``scores(q [G, D'], refs, h) -> [G, bk]`` float32 logits before the softmax scale;
     ``values(p [G, bk], refs, h, mask) -> tuple of [G, w]`` float32 partial outputs (one accumulator
     each, widths ``widths``); ``mask.row`` ``[1, bk]`` / ``mask.col`` ``[bk, 1]`` mark the visible
-    slots (unused slots may hold anything, NaN included: 0·NaN is NaN). refs: 4-D arrays arrive as ``[K, bk, X]`` (index ``h`` first), 3-D
-    per-token arrays as ``[K, bk]`` (take ``[h:h + 1]``: a ``[1, bk]`` lane vector).
+    slots (unused slots may hold anything, NaN included: 0·NaN is NaN). refs: 4-D arrays arrive
+    as ``[K, bk, X]`` (index ``h`` first), 3-D per-token arrays as ``[K, bk]`` (take
+    ``[h:h + 1]``: a ``[1, bk]`` lane vector).
     ``q_in(q_BKGD)`` / ``out(parts)`` rearrange the query and the outputs outside the kernel
     (4-bit codes: deinterleave and re-interleave channels)."""
 
@@ -44,8 +45,11 @@ class TPUCodec:
     out: Optional[Callable] = None
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays", "head_base"],
-                   meta_fields=["load", "head_dim", "kv_layout", "tpu", "n_heads"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["arrays", "head_base"],
+    meta_fields=["load", "head_dim", "kv_layout", "tpu", "n_heads"],
+)
 @dataclasses.dataclass(frozen=True)
 class KVSource:
     """K/V storage as seen by the decode kernels (see the module docstring)."""
@@ -60,7 +64,9 @@ class KVSource:
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"KVSource: kv_layout={self.kv_layout!r}; expected one of {KV_LAYOUTS}")
+            raise ValueError(
+                f"KVSource: kv_layout={self.kv_layout!r}; expected one of {KV_LAYOUTS}"
+            )
         if (self.head_base is None) != (self.n_heads is None):
             raise ValueError("KVSource: head_base and n_heads come together (a window of a pool)")
 
@@ -84,15 +90,19 @@ class KVSource:
         """The same source with a pool window cut out (an XLA copy of the window; no head_base)."""
         if self.head_base is None:
             return self
-        arrays = tuple(lax.dynamic_slice_in_dim(a, self.head_base, self.n_heads, axis=self.head_axis)
-                       for a in self.arrays)
+        arrays = tuple(
+            lax.dynamic_slice_in_dim(a, self.head_base, self.n_heads, axis=self.head_axis)
+            for a in self.arrays
+        )
         return dataclasses.replace(self, arrays=arrays, head_base=None, n_heads=None)
 
     def head_major(self) -> "KVSource":
         """The same source with every array head-major (a transpose when it was slot-major)."""
         if self.kv_layout == "BKSD":
             return self
-        return dataclasses.replace(self, arrays=tuple(jnp.swapaxes(a, 1, 2) for a in self.arrays), kv_layout="BKSD")
+        return dataclasses.replace(
+            self, arrays=tuple(jnp.swapaxes(a, 1, 2) for a in self.arrays), kv_layout="BKSD"
+        )
 
     def dequantize(self, kv_layout: str = "BSKD") -> tuple[jax.Array, jax.Array]:
         """Full K, V in jnp (reference path), by calling ``load`` on whole arrays; returned as
@@ -143,18 +153,28 @@ def _dense_values(p, refs, h, mask):
 def dense_source(k: jax.Array, v: jax.Array, kv_layout: str = "BSKD") -> KVSource:
     """A float cache: k, v ``[B, S, K, D]`` (``"BSKD"``) or ``[B, K, S, D]`` (``"BKSD"``)."""
     D = k.shape[-1]
-    return KVSource(arrays=(k, v), load=_dense_load, head_dim=D, kv_layout=kv_layout,
-                    tpu=TPUCodec(_dense_scores, _dense_values, (D,)))
+    return KVSource(
+        arrays=(k, v),
+        load=_dense_load,
+        head_dim=D,
+        kv_layout=kv_layout,
+        tpu=TPUCodec(_dense_scores, _dense_values, (D,)),
+    )
 
 
-def pooled_source(k_pool: jax.Array, v_pool: jax.Array, head_base, n_heads: int,
-                  kv_layout: str = "BKSD") -> KVSource:
+def pooled_source(
+    k_pool: jax.Array, v_pool: jax.Array, head_base, n_heads: int, kv_layout: str = "BKSD"
+) -> KVSource:
     """A window of ``n_heads`` heads from ``head_base`` of a float pool (CateKV's pools): the TPU
     kernel reads the pool in place (``head_base`` scalar-prefetched); other paths cut the window."""
     src = dense_source(k_pool, v_pool, kv_layout)
     if not 0 < n_heads <= src.n_kv_heads:
-        raise ValueError(f"pooled_source: n_heads={n_heads} outside a pool of {src.n_kv_heads} heads")
-    return dataclasses.replace(src, head_base=jnp.asarray(head_base, jnp.int32), n_heads=int(n_heads))
+        raise ValueError(
+            f"pooled_source: n_heads={n_heads} outside a pool of {src.n_kv_heads} heads"
+        )
+    return dataclasses.replace(
+        src, head_base=jnp.asarray(head_base, jnp.int32), n_heads=int(n_heads)
+    )
 
 
 # ----------------------------------------------------------------------------- int8
@@ -167,12 +187,14 @@ def _int8_load(refs, sl):
 
 def _int8_scores(q, refs, h):
     kq, ks = refs[0], refs[1]
-    return dot(q, kq[h].astype(jnp.float32).astype(q.dtype), trans_b=True) * ks[h:h + 1, :].astype(jnp.float32)
+    return dot(q, kq[h].astype(jnp.float32).astype(q.dtype), trans_b=True) * ks[
+        h : h + 1, :
+    ].astype(jnp.float32)
 
 
 def _int8_values(p, refs, h, mask):
     vq, vs = refs[2], refs[3]
-    ps = jnp.where(mask.row, p * vs[h:h + 1, :].astype(jnp.float32), 0.0)
+    ps = jnp.where(mask.row, p * vs[h : h + 1, :].astype(jnp.float32), 0.0)
     return (dot(ps, vq[h].astype(jnp.float32)),)
 
 
@@ -180,8 +202,13 @@ def scaled_int8_source(kq, kscale, vq, vscale, kv_layout: str = "BSKD") -> KVSou
     """Example quantized cache: symmetric int8 codes ``[B, S, K, D]`` with one scale per (token, KV
     head) ``[B, S, K]`` (or ``[B, K, S, D]`` / ``[B, K, S]`` with ``kv_layout="BKSD"``)."""
     D = kq.shape[-1]
-    return KVSource(arrays=(kq, kscale, vq, vscale), load=_int8_load, head_dim=D, kv_layout=kv_layout,
-                    tpu=TPUCodec(_int8_scores, _int8_values, (D,)))
+    return KVSource(
+        arrays=(kq, kscale, vq, vscale),
+        load=_int8_load,
+        head_dim=D,
+        kv_layout=kv_layout,
+        tpu=TPUCodec(_int8_scores, _int8_values, (D,)),
+    )
 
 
 def quantize_int8(x):
@@ -193,4 +220,11 @@ def quantize_int8(x):
     return q, scale.astype(jnp.float32)
 
 
-__all__ = ["KVSource", "TPUCodec", "dense_source", "pooled_source", "scaled_int8_source", "quantize_int8"]
+__all__ = [
+    "KVSource",
+    "TPUCodec",
+    "dense_source",
+    "pooled_source",
+    "scaled_int8_source",
+    "quantize_int8",
+]

@@ -46,13 +46,20 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_m, block_k, block_n, interpret,
         functools.partial(_gmm_kernel, bk=bk, nk=Kp // bk),
         out_shape=jax.ShapeDtypeStruct((lay.rows, Np), out_dtype),
         grid=(lay.num_tiles, Np // bn),
-        in_specs=[pl.BlockSpec((tg_len,), lambda i, j: (0,)), pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((G, Kp, bn), lambda i, j: (0, 0, j))],
+        in_specs=[
+            pl.BlockSpec((tg_len,), lambda i, j: (0,)),
+            pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((G, Kp, bn), lambda i, j: (0, 0, j)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         interpret=interpret,
         compiler_params=triton_params(interpret),
         name="pallasite_gmm",
-    )(pad_axis(lay.tile_group, 0, tg_len), lay.scatter(lhs_MK, Kp), pad_axis(pad_axis(rhs_GKN, 1, Kp), 2, Np))
+    )(
+        pad_axis(lay.tile_group, 0, tg_len),
+        lay.scatter(lhs_MK, Kp),
+        pad_axis(pad_axis(rhs_GKN, 1, Kp), 2, Np),
+    )
     return lay.gather(out_p, N)
 
 
@@ -79,15 +86,22 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, block_m, block_k, block_n, interpret
         functools.partial(_tgmm_kernel, bm=bm),
         out_shape=jax.ShapeDtypeStruct((G, Kp, Np), out_dtype),
         grid=(G, Kp // bk, Np // bn),
-        in_specs=[pl.BlockSpec((gl,), lambda g, i, j: (0,)), pl.BlockSpec((gl,), lambda g, i, j: (0,)),
-                  pl.BlockSpec((lay.rows, bk), lambda g, i, j: (0, i)),
-                  pl.BlockSpec((lay.rows, bn), lambda g, i, j: (0, j))],
+        in_specs=[
+            pl.BlockSpec((gl,), lambda g, i, j: (0,)),
+            pl.BlockSpec((gl,), lambda g, i, j: (0,)),
+            pl.BlockSpec((lay.rows, bk), lambda g, i, j: (0, i)),
+            pl.BlockSpec((lay.rows, bn), lambda g, i, j: (0, j)),
+        ],
         out_specs=pl.BlockSpec((1, bk, bn), lambda g, i, j: (g, i, j)),
         interpret=interpret,
         compiler_params=triton_params(interpret),
         name="pallasite_tgmm",
-    )(pad_axis(lay.tile_start, 0, gl), pad_axis(lay.tile_count, 0, gl), lay.scatter(lhs_MK, Kp),
-      lay.scatter(dout_MN, Np))
+    )(
+        pad_axis(lay.tile_start, 0, gl),
+        pad_axis(lay.tile_count, 0, gl),
+        lay.scatter(lhs_MK, Kp),
+        lay.scatter(dout_MN, Np),
+    )
     return out[:, :K, :N]
 
 

@@ -20,12 +20,18 @@ from pallasite.ops.common import round_up
 
 def check(lhs_MK, rhs_GKN, group_sizes_G):
     if lhs_MK.ndim != 2 or rhs_GKN.ndim != 3 or group_sizes_G.ndim != 1:
-        raise ValueError(f"gmm: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {lhs_MK.shape}, "
-                         f"{rhs_GKN.shape}, {group_sizes_G.shape}")
+        raise ValueError(
+            f"gmm: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got {lhs_MK.shape}, "
+            f"{rhs_GKN.shape}, {group_sizes_G.shape}"
+        )
     if lhs_MK.shape[1] != rhs_GKN.shape[1]:
-        raise ValueError(f"gmm: contraction sizes differ: lhs K={lhs_MK.shape[1]} vs rhs K={rhs_GKN.shape[1]}")
+        raise ValueError(
+            f"gmm: contraction sizes differ: lhs K={lhs_MK.shape[1]} vs rhs K={rhs_GKN.shape[1]}"
+        )
     if rhs_GKN.shape[0] != group_sizes_G.shape[0]:
-        raise ValueError(f"gmm: rhs has {rhs_GKN.shape[0]} groups but group_sizes has {group_sizes_G.shape[0]}")
+        raise ValueError(
+            f"gmm: rhs has {rhs_GKN.shape[0]} groups but group_sizes has {group_sizes_G.shape[0]}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,11 @@ class PaddedGroups:
 
     def scatter(self, x_MX: jax.Array, width: int) -> jax.Array:
         """Rows of ``x`` into the padded layout ``[num_tiles * bm, width]`` (zeros elsewhere)."""
-        return jnp.zeros((self.rows, width), x_MX.dtype).at[self.dest_M, :x_MX.shape[1]].set(x_MX, mode="drop")
+        return (
+            jnp.zeros((self.rows, width), x_MX.dtype)
+            .at[self.dest_M, : x_MX.shape[1]]
+            .set(x_MX, mode="drop")
+        )
 
     def gather(self, y_PX: jax.Array, width: int) -> jax.Array:
         """Rows back from the padded layout, ``width`` columns; rows past the groups are zero."""
@@ -56,7 +66,9 @@ class PaddedGroups:
 def padded_groups(group_sizes_G: jax.Array, M: int, bm: int, *, min_tiles: int = 0) -> PaddedGroups:
     G = group_sizes_G.shape[0]
     gs = group_sizes_G.astype(jnp.int32)
-    num_tiles = -(-M // bm) + G  # each group adds at most one partial (or, with min_tiles, empty) tile
+    num_tiles = (
+        -(-M // bm) + G
+    )  # each group adds at most one partial (or, with min_tiles, empty) tile
     tiles_G = jnp.maximum((gs + bm - 1) // bm, min_tiles)
     ends = jnp.cumsum(gs)
     starts = ends - gs
@@ -67,10 +79,19 @@ def padded_groups(group_sizes_G: jax.Array, M: int, bm: int, *, min_tiles: int =
     valid = rows < ends[-1]
     dest = jnp.where(valid, tile_start[row_group] * bm + rows - starts[row_group], num_tiles * bm)
     tile_group = jnp.searchsorted(tile_ends, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
-    tile_group = jnp.minimum(tile_group, G - 1).astype(jnp.int32)  # trailing unused tiles: the last group
-    return PaddedGroups(bm=bm, num_tiles=num_tiles, dest_M=dest.astype(jnp.int32), valid_M=valid,
-                        tile_group=tile_group, tile_start=tile_start.astype(jnp.int32),
-                        tile_count=tiles_G.astype(jnp.int32), used_tiles=tile_ends[-1].astype(jnp.int32))
+    tile_group = jnp.minimum(tile_group, G - 1).astype(
+        jnp.int32
+    )  # trailing unused tiles: the last group
+    return PaddedGroups(
+        bm=bm,
+        num_tiles=num_tiles,
+        dest_M=dest.astype(jnp.int32),
+        valid_M=valid,
+        tile_group=tile_group,
+        tile_start=tile_start.astype(jnp.int32),
+        tile_count=tiles_G.astype(jnp.int32),
+        used_tiles=tile_ends[-1].astype(jnp.int32),
+    )
 
 
 def pow2_block(size: int, cap: int) -> int:

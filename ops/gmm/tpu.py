@@ -43,10 +43,20 @@ def _gmm_kernel(tile_group_ref, used_ref, x_ref, w_ref, o_ref, acc_ref, *, trans
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def gmm(lhs_MK, rhs, group_sizes_G, *, block_m, block_k, block_n, interpret, out_dtype, transpose_rhs=False):
+def gmm(
+    lhs_MK,
+    rhs,
+    group_sizes_G,
+    *,
+    block_m,
+    block_k,
+    block_n,
+    interpret,
+    out_dtype,
+    transpose_rhs=False,
+):
     """``lhs [M, K]`` x ``rhs [G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``) -> ``[M, N]``."""
     M, K = lhs_MK.shape
-    G = rhs.shape[0]
     N = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm = tpu_block(M, block_m, 8 * (4 // jnp.dtype(lhs_MK.dtype).itemsize))
     bk, bn = tpu_block(K, block_k, 128), tpu_block(N, block_n, 128)
@@ -67,13 +77,17 @@ def gmm(lhs_MK, rhs, group_sizes_G, *, block_m, block_k, block_n, interpret, out
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(lay.num_tiles, Np // bn, Kp // bk),
-            in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk, tg, used: (tile(i, tg, used), kk)),
-                      pl.BlockSpec(w_block, w_map)],
+            in_specs=[
+                pl.BlockSpec((bm, bk), lambda i, j, kk, tg, used: (tile(i, tg, used), kk)),
+                pl.BlockSpec(w_block, w_map),
+            ],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk, *_: (i, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((lay.rows, Np), out_dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="pallasite_gmm_tpu",
     )(lay.tile_group, lay.used_tiles.reshape(1), lay.scatter(lhs_MK, Kp), rhs_p)
@@ -110,13 +124,17 @@ def tgmm(lhs_MK, dout_MN, group_sizes_G, *, block_m, block_k, block_n, interpret
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(Kp // bk, Np // bn, lay.num_tiles),
-            in_specs=[pl.BlockSpec((bm, bk), lambda i, j, t, tg: (t, i)),
-                      pl.BlockSpec((bm, bn), lambda i, j, t, tg: (t, j))],
+            in_specs=[
+                pl.BlockSpec((bm, bk), lambda i, j, t, tg: (t, i)),
+                pl.BlockSpec((bm, bn), lambda i, j, t, tg: (t, j)),
+            ],
             out_specs=pl.BlockSpec((None, bk, bn), lambda i, j, t, tg: (tg[t], i, j)),
             scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((G, Kp, Np), out_dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="pallasite_tgmm_tpu",
     )(lay.tile_group, lay.scatter(lhs_MK, Kp), lay.scatter(dout_MN, Np))

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallasite.ops.dispatch import pick_variant, triton_params
 import pallasite.ops.quant.int_gemm_tpu as int_gemm_tpu
+from pallasite.ops.dispatch import pick_variant, triton_params
 from pallasite.ops.quant.int_gemm_tpu import nibbles_i8
 from pallasite.ops.quant.quantizers import pack_int4, unpack_int4
 
@@ -42,12 +42,16 @@ def int_gemm_ref(xq_packed, x_scale_T, wq_packed, w_scale_N, bias_N=None):
     is an integer below 2^24 and a float32 matmul is *exact* — and far faster than an int32
     matmul on XLA:CPU (used for perplexity runs)."""
     K = 2 * xq_packed.shape[-1]
-    if K * 64 >= 2 ** 24:
+    if K * 64 >= 2**24:
         raise ValueError(f"int_gemm_ref: K={K} too large for an exact float32 accumulation")
     xq = unpack_int4(xq_packed).astype(jnp.float32)
     wq = unpack_weight_int4(wq_packed).astype(jnp.float32)
     acc = jnp.dot(xq, wq, precision=jax.lax.Precision.HIGHEST)
-    y = acc.astype(jnp.float32) * x_scale_T.astype(jnp.float32)[:, None] * w_scale_N.astype(jnp.float32)[None, :]
+    y = (
+        acc.astype(jnp.float32)
+        * x_scale_T.astype(jnp.float32)[:, None]
+        * w_scale_N.astype(jnp.float32)[None, :]
+    )
     if bias_N is not None:
         y = y + bias_N.astype(jnp.float32)[None, :]
     return y
@@ -69,7 +73,9 @@ def _int_gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, b_ref, o_ref, *, block_k, n_k
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
-def _int_gemm_pallas(xq_packed, x_scale, wq_packed, w_scale, bias, *, block_m, block_n, block_k, interpret):
+def _int_gemm_pallas(
+    xq_packed, x_scale, wq_packed, w_scale, bias, *, block_m, block_n, block_k, interpret
+):
     T, K2 = xq_packed.shape
     N = wq_packed.shape[1]
     Tp = pl.cdiv(T, block_m) * block_m
@@ -100,13 +106,28 @@ def _int_gemm_pallas(xq_packed, x_scale, wq_packed, w_scale, bias, *, block_m, b
     return y[:T, :N]
 
 
-def int_gemm(xq_packed, x_scale, wq_packed, w_scale, bias=None, *, impl: str = "pallas", interpret=None,
-             block_m: Optional[int] = None, block_n: Optional[int] = None, block_k: Optional[int] = None):
-    """xq_packed uint8 [..., K/2], x_scale [...], wq_packed uint8 [K/2, N], w_scale [N] → float32 [..., N].
-    Blocks: None takes the variant's defaults (GPU 16 / 64 / 32, TPU 128 / 256 / 512 packed bytes)."""
+def int_gemm(
+    xq_packed,
+    x_scale,
+    wq_packed,
+    w_scale,
+    bias=None,
+    *,
+    impl: str = "pallas",
+    interpret=None,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    block_k: Optional[int] = None,
+):
+    """xq_packed uint8 [..., K/2], x_scale [...], wq_packed uint8 [K/2, N], w_scale [N] → float32
+    [..., N]. Blocks: None takes the variant's defaults (GPU 16 / 64 / 32, TPU 128 / 256 / 512
+    packed bytes)."""
     lead = xq_packed.shape[:-1]
     if xq_packed.shape[-1] != wq_packed.shape[0]:
-        raise ValueError(f"int_gemm: packed K mismatch, activations {xq_packed.shape} vs weights {wq_packed.shape}")
+        raise ValueError(
+            f"int_gemm: packed K mismatch, activations {xq_packed.shape} vs weights "
+            f"{wq_packed.shape}"
+        )
     if impl not in ("ref", "pallas"):
         raise ValueError(f"int_gemm impl={impl!r}; expected 'ref' or 'pallas'")
     x2 = xq_packed.reshape(-1, xq_packed.shape[-1])
@@ -117,8 +138,20 @@ def int_gemm(xq_packed, x_scale, wq_packed, w_scale, bias=None, *, impl: str = "
     else:
         variant = pick_variant(interpret)
         b = jnp.zeros((N,), jnp.float32) if bias is None else bias
-        impl_fn, defaults = ((int_gemm_tpu.int_gemm, int_gemm_tpu.DEFAULT_BLOCKS) if variant.kind == "tpu"
-                             else (_int_gemm_pallas, (16, 64, 32)))
-        y = impl_fn(x2, s2, wq_packed, w_scale, b, block_m=block_m or defaults[0], block_n=block_n or defaults[1],
-                    block_k=block_k or defaults[2], interpret=variant.interpret)
+        impl_fn, defaults = (
+            (int_gemm_tpu.int_gemm, int_gemm_tpu.DEFAULT_BLOCKS)
+            if variant.kind == "tpu"
+            else (_int_gemm_pallas, (16, 64, 32))
+        )
+        y = impl_fn(
+            x2,
+            s2,
+            wq_packed,
+            w_scale,
+            b,
+            block_m=block_m or defaults[0],
+            block_n=block_n or defaults[1],
+            block_k=block_k or defaults[2],
+            interpret=variant.interpret,
+        )
     return y.reshape(*lead, N)

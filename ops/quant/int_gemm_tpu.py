@@ -41,8 +41,9 @@ def _kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref):
 
     xe, xo = nibbles_i8(x_ref[...])
     we, wo = nibbles_i8(w_ref[...])
-    acc_ref[...] += (jnp.dot(xe, we, preferred_element_type=jnp.int32)
-                     + jnp.dot(xo, wo, preferred_element_type=jnp.int32))
+    acc_ref[...] += jnp.dot(xe, we, preferred_element_type=jnp.int32) + jnp.dot(
+        xo, wo, preferred_element_type=jnp.int32
+    )
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _finish():
@@ -52,7 +53,7 @@ def _kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref):
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
 def int_gemm(xq_packed, x_scale, wq_packed, w_scale, bias, *, block_m, block_n, block_k, interpret):
-    """xq uint8 [T, K/2], x_scale [T], wq uint8 [K/2, N], w_scale [N], bias [N] -> float32 [T, N]."""
+    """xq uint8 [T, K/2], x_scale [T], wq uint8 [K/2, N], w_scale, bias [N] -> float32 [T, N]."""
     T, K2 = xq_packed.shape
     N = wq_packed.shape[1]
     bm = min(round_up(block_m, 32), round_up(T, 32))
@@ -66,15 +67,19 @@ def int_gemm(xq_packed, x_scale, wq_packed, w_scale, bias, *, block_m, block_n, 
     y = pl.pallas_call(
         _kernel,
         grid=(Tp // bm, Np // bn, K2p // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                  pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-                  pl.BlockSpec((bm, LANES), lambda i, j, kk: (i, 0)),
-                  pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)),
-                  pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))],
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+            pl.BlockSpec((bm, LANES), lambda i, j, kk: (i, 0)),
+            pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)),
+            pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         out_shape=jax.ShapeDtypeStruct((Tp, Np), jnp.float32),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.int32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="pallasite_int_gemm_tpu",
     )(x, w, xs, row(w_scale), row(bias))

@@ -1,13 +1,14 @@
 """Fused Kronecker transform + per-token int4 quantization (FlatQuant, Sun et al. ICML 2025, §3.2
 "Kernel fusion"; official Triton kernel ``deploy/kernels/kron_matmul.py``).
 
-Per token ``x ∈ R^n``, ``n = n1·n2``: ``Y = P1ᵀ · reshape(x, n1×n2) · P2`` (row-major reshape; equals
-``x @ kron(P1, P2)``), then the symmetric per-token quantizer of ``ops.quant.quantizers`` with the
-learned activation clip (sigmoid factors), round half to even, clamp to [-8, 7], two nibbles per
-byte -> ``uint8 [T, n/2]`` + ``scale float32 [T]``. GPU variant (here): ``[T·n1p, n2p]`` rows (factors
-zero-padded to powers of two >= 16 / 32 for Triton's dot), ``P2`` split into even / odd columns so
-packing is two dots and shifts, a ``fori_loop`` over the ``block_t`` tokens of a program. TPU
-variant: ``kron_quant_tpu`` (batched left product, ``block_t`` 32). Zero padding is exact.
+Per token ``x ∈ R^n``, ``n = n1·n2``: ``Y = P1ᵀ · reshape(x, n1×n2) · P2`` (row-major reshape;
+equals ``x @ kron(P1, P2)``), then the symmetric per-token quantizer of ``ops.quant.quantizers``
+with the learned activation clip (sigmoid factors), round half to even, clamp to [-8, 7], two
+nibbles per byte -> ``uint8 [T, n/2]`` + ``scale float32 [T]``. GPU variant (here): ``[T·n1p,
+n2p]`` rows (factors zero-padded to powers of two >= 16 / 32 for Triton's dot), ``P2`` split into
+even / odd columns so packing is two dots and shifts, a ``fori_loop`` over the ``block_t`` tokens
+of a program. TPU variant: ``kron_quant_tpu`` (batched left product, ``block_t`` 32). Zero
+padding is exact.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+import pallasite.ops.quant.kron_quant_tpu as kron_quant_tpu
 from pallasite.ops.common import next_pow2
 from pallasite.ops.dispatch import pick_variant, triton_params
-import pallasite.ops.quant.kron_quant_tpu as kron_quant_tpu
 from pallasite.ops.quant.quantizers import pack_int4, qrange_sym, round_half_even  # noqa: F401 (re-export)
 
 
@@ -67,7 +68,9 @@ def _quant_rows(y, cmax, cmin, bits):
     return q, scale
 
 
-def _kron_quant_kernel(x_ref, p1t_ref, p2e_ref, p2o_ref, c_ref, q_ref, s_ref, *, n1p, block_t, bits):
+def _kron_quant_kernel(
+    x_ref, p1t_ref, p2e_ref, p2o_ref, c_ref, q_ref, s_ref, *, n1p, block_t, bits
+):
     qmin, qmax = qrange_sym(bits)
     p1t = p1t_ref[...]
     p2e = p2e_ref[...]
@@ -135,9 +138,19 @@ def _kron_quantize_pallas(x_TN, p1, p2, clip_logits, *, bits, block_t, interpret
     return q, s[:T]
 
 
-def kron_quantize(x, p1, p2, clip_logits=None, *, bits: int = 4, impl: str = "pallas",
-                  interpret=None, block_t: Optional[int] = None):
-    """Fused ``P1ᵀ X P2`` + per-token int4 quantize + pack. x: [..., n] → (uint8 [..., n/2], f32 [...]).
+def kron_quantize(
+    x,
+    p1,
+    p2,
+    clip_logits=None,
+    *,
+    bits: int = 4,
+    impl: str = "pallas",
+    interpret=None,
+    block_t: Optional[int] = None,
+):
+    """Fused ``P1ᵀ X P2`` + per-token int4 quantize + pack: x [..., n] → (uint8 [..., n/2], f32
+    [...]).
     ``block_t`` tokens per program: None takes the variant's default (GPU 16, TPU 32)."""
     if bits != 4:
         raise ValueError(f"kron_quantize packs int4 nibbles; bits={bits} is not supported")
@@ -147,7 +160,9 @@ def kron_quantize(x, p1, p2, clip_logits=None, *, bits: int = 4, impl: str = "pa
     if x.shape[-1] != n1 * n2:
         raise ValueError(f"kron_quantize: last axis {x.shape[-1]} != {n1}×{n2}")
     if n2 % 2:
-        raise ValueError(f"kron_quantize: the right factor size n2={n2} must be even to pack nibble pairs")
+        raise ValueError(
+            f"kron_quantize: the right factor size n2={n2} must be even to pack nibble pairs"
+        )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if impl == "ref":
@@ -155,10 +170,23 @@ def kron_quantize(x, p1, p2, clip_logits=None, *, bits: int = 4, impl: str = "pa
     else:
         variant = pick_variant(interpret)
         if variant.kind == "tpu":
-            q, s = kron_quant_tpu.kron_quantize(x2, p1, p2, jnp.stack(_clip_factors(clip_logits)), bits=bits,
-                                                block_t=block_t or kron_quant_tpu.DEFAULT_BLOCK_T,
-                                                interpret=variant.interpret)
+            q, s = kron_quant_tpu.kron_quantize(
+                x2,
+                p1,
+                p2,
+                jnp.stack(_clip_factors(clip_logits)),
+                bits=bits,
+                block_t=block_t or kron_quant_tpu.DEFAULT_BLOCK_T,
+                interpret=variant.interpret,
+            )
         else:
-            q, s = _kron_quantize_pallas(x2, p1, p2, clip_logits, bits=bits, block_t=block_t or 16,
-                                         interpret=variant.interpret)
+            q, s = _kron_quantize_pallas(
+                x2,
+                p1,
+                p2,
+                clip_logits,
+                bits=bits,
+                block_t=block_t or 16,
+                interpret=variant.interpret,
+            )
     return q.reshape(*lead, -1), s.reshape(lead)

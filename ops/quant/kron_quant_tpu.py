@@ -34,8 +34,9 @@ def _kernel(c_ref, x_ref, p1t_ref, p2e_ref, p2o_ref, q_ref, s_ref, *, bt, n1p, b
 
     def left(z):  # P1ᵀ · Z per token
         z = z.reshape(bt, n1p, z.shape[-1])
-        return jax.lax.dot_general(p1t, z, batched, preferred_element_type=jnp.float32,
-                                   precision=jax.lax.Precision.HIGHEST)
+        return jax.lax.dot_general(
+            p1t, z, batched, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+        )
 
     ye, yo = left(dot(x, p2e_ref[...])), left(dot(x, p2o_ref[...]))  # [bt, n1p, n2p / 2] each
     row_max = lambda y: jnp.max(jnp.max(y, axis=2), axis=1, keepdims=True)  # noqa: E731  [bt, 1]
@@ -55,7 +56,7 @@ def _kernel(c_ref, x_ref, p1t_ref, p2e_ref, p2o_ref, q_ref, s_ref, *, bt, n1p, b
 
 @functools.partial(jax.jit, static_argnames=("bits", "block_t", "interpret"))
 def kron_quantize(x_TN, p1, p2, clip_factors, *, bits, block_t, interpret):
-    """x [T, n1·n2] -> (uint8 [T, n/2], float32 [T]); ``clip_factors`` = (sigmoid(max), sigmoid(min))."""
+    """x [T, n1·n2] -> (uint8 [T, n/2], float32 [T]); ``clip_factors``: sigmoid(clip logits)."""
     T, N = x_TN.shape
     n1, n2 = p1.shape[0], p2.shape[0]
     n1p, n2p = round_up(n1, 8), n2  # n2 is even (checked by the caller); a full-width lane block
@@ -70,15 +71,21 @@ def kron_quantize(x_TN, p1, p2, clip_factors, *, bits, block_t, interpret):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(Tp // bt,),
-            in_specs=[pl.BlockSpec((bt * n1p, n2p), lambda i, c: (i, 0)),
-                      pl.BlockSpec((n1p, n1p), lambda i, c: (0, 0)),
-                      pl.BlockSpec((n2p, n2p // 2), lambda i, c: (0, 0)),
-                      pl.BlockSpec((n2p, n2p // 2), lambda i, c: (0, 0))],
-            out_specs=[pl.BlockSpec((bt, n1p, n2p // 2), lambda i, c: (i, 0, 0)),
-                       pl.BlockSpec((bt, LANES), lambda i, c: (i, 0))],
+            in_specs=[
+                pl.BlockSpec((bt * n1p, n2p), lambda i, c: (i, 0)),
+                pl.BlockSpec((n1p, n1p), lambda i, c: (0, 0)),
+                pl.BlockSpec((n2p, n2p // 2), lambda i, c: (0, 0)),
+                pl.BlockSpec((n2p, n2p // 2), lambda i, c: (0, 0)),
+            ],
+            out_specs=[
+                pl.BlockSpec((bt, n1p, n2p // 2), lambda i, c: (i, 0, 0)),
+                pl.BlockSpec((bt, LANES), lambda i, c: (i, 0)),
+            ],
         ),
-        out_shape=[jax.ShapeDtypeStruct((Tp, n1p, n2p // 2), jnp.uint8),
-                   jax.ShapeDtypeStruct((Tp, LANES), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((Tp, n1p, n2p // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((Tp, LANES), jnp.float32),
+        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="pallasite_kron_quant_tpu",

@@ -39,16 +39,47 @@ def dequantize_cache_bksd(q_BKSD2, scale_BKSG, zero_BKSG, dtype=jnp.float32):
     return jnp.swapaxes(x, 1, 2)
 
 
-def kv4_decode_attention_ref(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
-                             *, sliding_window: Optional[int] = None):
+def kv4_decode_attention_ref(
+    q_BTHD,
+    k_q,
+    k_scale,
+    k_zero,
+    v_q,
+    v_scale,
+    v_zero,
+    q_positions_BT,
+    *,
+    sliding_window: Optional[int] = None,
+):
     k = dequantize_cache_bksd(k_q, k_scale, k_zero)
     v = dequantize_cache_bksd(v_q, v_scale, v_zero)
-    return reference_attention(q_BTHD.astype(jnp.float32), k, v, q_positions_BT=q_positions_BT, causal=True,
-                               sliding_window=sliding_window).astype(q_BTHD.dtype)
+    return reference_attention(
+        q_BTHD.astype(jnp.float32),
+        k,
+        v,
+        q_positions_BT=q_positions_BT,
+        causal=True,
+        sliding_window=sliding_window,
+    ).astype(q_BTHD.dtype)
 
 
-def _decode_kernel(qe_ref, qo_ref, pos_ref, kq_ref, ks_ref, kz_ref, vq_ref, vs_ref, vz_ref, oe_ref, oo_ref,
-                   *, block_s, n_s, window):
+def _decode_kernel(
+    qe_ref,
+    qo_ref,
+    pos_ref,
+    kq_ref,
+    ks_ref,
+    kz_ref,
+    vq_ref,
+    vs_ref,
+    vz_ref,
+    oe_ref,
+    oo_ref,
+    *,
+    block_s,
+    n_s,
+    window,
+):
     gp, d2 = qe_ref.shape
     qe = qe_ref[...]
     qo = qo_ref[...]
@@ -63,7 +94,7 @@ def _decode_kernel(qe_ref, qo_ref, pos_ref, kq_ref, ks_ref, kz_ref, vq_ref, vs_r
         return (lo - z) * s, (hi - z) * s
 
     def body(sb, carry):
-        m, l, acc_e, acc_o = carry
+        m, denom, acc_e, acc_o = carry
         sl = pl.ds(sb * block_s, block_s)
         ke, ko = deq(kq_ref, ks_ref, kz_ref, sl)
         dims = (((1,), (1,)), ((), ()))
@@ -80,29 +111,47 @@ def _decode_kernel(qe_ref, qo_ref, pos_ref, kq_ref, ks_ref, kz_ref, vq_ref, vs_r
         ve, vo = deq(vq_ref, vs_ref, vz_ref, sl)
         acc_e = acc_e * corr[:, None] + jnp.dot(p, ve, preferred_element_type=jnp.float32)
         acc_o = acc_o * corr[:, None] + jnp.dot(p, vo, preferred_element_type=jnp.float32)
-        return m_new, l * corr + jnp.sum(p, axis=1), acc_e, acc_o
+        return m_new, denom * corr + jnp.sum(p, axis=1), acc_e, acc_o
 
-    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            jnp.zeros((gp, d2), jnp.float32), jnp.zeros((gp, d2), jnp.float32))
-    _, l, acc_e, acc_o = jax.lax.fori_loop(0, n_s, body, init)
-    oe_ref[...] = acc_e / l[:, None]
-    oo_ref[...] = acc_o / l[:, None]
+    init = (
+        jnp.full((gp,), NEG_INF, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+        jnp.zeros((gp, d2), jnp.float32),
+        jnp.zeros((gp, d2), jnp.float32),
+    )
+    _, denom, acc_e, acc_o = jax.lax.fori_loop(0, n_s, body, init)
+    oe_ref[...] = acc_e / denom[:, None]
+    oo_ref[...] = acc_o / denom[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "block_s", "interpret"))
-def _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT, *,
-                       sliding_window, block_s, interpret):
+def _kv4_decode_pallas(
+    q_BTHD,
+    k_q,
+    k_scale,
+    k_zero,
+    v_q,
+    v_scale,
+    v_zero,
+    q_positions_BT,
+    *,
+    sliding_window,
+    block_s,
+    interpret,
+):
     B, T, H, Dh = q_BTHD.shape
     _, K, S, D2 = k_q.shape
     if T != 1:
         raise ValueError(f"kv4 decode kernel takes one query token per row, got T={T}")
     if k_scale.shape[-1] != 1:
-        raise NotImplementedError(f"kv4 decode kernel supports one quantization group per head (Dh <= 128); "
-                                  f"got {k_scale.shape[-1]} groups for head_dim={Dh}")
+        raise NotImplementedError(
+            f"kv4 decode kernel supports one quantization group per head (Dh <= 128); "
+            f"got {k_scale.shape[-1]} groups for head_dim={Dh}"
+        )
     G = H // K
     Gp = max(16, 1 << (G - 1).bit_length())
     Sp = pl.cdiv(S, block_s) * block_s
-    q = q_BTHD[:, 0].astype(jnp.float32).reshape(B, K, G, Dh) * (Dh ** -0.5)
+    q = q_BTHD[:, 0].astype(jnp.float32).reshape(B, K, G, Dh) * (Dh**-0.5)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     qe, qo = q[..., 0::2], q[..., 1::2]
     pos = jnp.broadcast_to(q_positions_BT[:, :1].astype(jnp.int32), (B, Gp))
@@ -112,15 +161,26 @@ def _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_pos
 
     kq, vq = pad_s(k_q), pad_s(v_q)
     ks, kz, vs, vz = (pad_s(a[..., 0]) for a in (k_scale, k_zero, v_scale, v_zero))
-    kernel = functools.partial(_decode_kernel, block_s=block_s, n_s=Sp // block_s, window=sliding_window)
+    kernel = functools.partial(
+        _decode_kernel, block_s=block_s, n_s=Sp // block_s, window=sliding_window
+    )
     qspec = pl.BlockSpec((None, None, Gp, D2), lambda b, h: (b, h, 0, 0))
     cspec = pl.BlockSpec((None, None, Sp, D2), lambda b, h: (b, h, 0, 0))
     sspec = pl.BlockSpec((None, None, Sp), lambda b, h: (b, h, 0))
     oe, oo = pl.pallas_call(
         kernel,
         grid=(B, K),
-        in_specs=[qspec, qspec, pl.BlockSpec((None, Gp), lambda b, h: (b, 0)),
-                  cspec, sspec, sspec, cspec, sspec, sspec],
+        in_specs=[
+            qspec,
+            qspec,
+            pl.BlockSpec((None, Gp), lambda b, h: (b, 0)),
+            cspec,
+            sspec,
+            sspec,
+            cspec,
+            sspec,
+            sspec,
+        ],
         out_specs=[qspec, qspec],
         out_shape=[jax.ShapeDtypeStruct((B, K, Gp, D2), jnp.float32)] * 2,
         interpret=interpret,
@@ -131,21 +191,46 @@ def _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_pos
     return out.reshape(B, 1, H, Dh).astype(q_BTHD.dtype)
 
 
-def kv4_decode_attention(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT, *,
-                         sliding_window: Optional[int] = None, impl: str = "pallas",
-                         interpret=None, block_s: int = 32):
+def kv4_decode_attention(
+    q_BTHD,
+    k_q,
+    k_scale,
+    k_zero,
+    v_q,
+    v_scale,
+    v_zero,
+    q_positions_BT,
+    *,
+    sliding_window: Optional[int] = None,
+    impl: str = "pallas",
+    interpret=None,
+    block_s: int = 32,
+):
     """Attention of ``q [B, 1, H, Dh]`` over a 4-bit cache (layout above) → ``[B, 1, H, Dh]``.
     ``interpret``: see ``ops.dispatch.pick_variant``."""
     if impl not in ("ref", "pallas"):
         raise ValueError(f"kv4_decode_attention impl={impl!r}; expected 'ref' or 'pallas'")
     groups = k_scale.shape[-1]
     if impl == "pallas" and groups != 1:
-        warn_fallback("kv4_decode_attention", "the kernels hold one quantization group per head (Dh <= 128)",
-                      head_dim=q_BTHD.shape[-1], groups=groups)
+        warn_fallback(
+            "kv4_decode_attention",
+            "the kernels hold one quantization group per head (Dh <= 128)",
+            head_dim=q_BTHD.shape[-1],
+            groups=groups,
+        )
         impl = "ref"
     if impl == "ref":
-        return kv4_decode_attention_ref(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
-                                        sliding_window=sliding_window)
+        return kv4_decode_attention_ref(
+            q_BTHD,
+            k_q,
+            k_scale,
+            k_zero,
+            v_q,
+            v_scale,
+            v_zero,
+            q_positions_BT,
+            sliding_window=sliding_window,
+        )
     B, T, H, Dh = q_BTHD.shape
     if T != 1:
         raise ValueError(f"kv4 decode kernel takes one query token per row, got T={T}")
@@ -155,11 +240,27 @@ def kv4_decode_attention(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_p
         pos = q_positions_BT[:, 0].astype(jnp.int32)
         start = None if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
         q = q_BTHD.reshape(B, K, H // K, Dh)
-        out = decode_attention(q, kv4_source(k_q, k_scale, k_zero, v_q, v_scale, v_zero), pos + 1, start,
-                               interpret=variant.interpret)
+        out = decode_attention(
+            q,
+            kv4_source(k_q, k_scale, k_zero, v_q, v_scale, v_zero),
+            pos + 1,
+            start,
+            interpret=variant.interpret,
+        )
         return out.reshape(B, 1, H, Dh).astype(q_BTHD.dtype)
-    return _kv4_decode_pallas(q_BTHD, k_q, k_scale, k_zero, v_q, v_scale, v_zero, q_positions_BT,
-                              sliding_window=sliding_window, block_s=block_s, interpret=variant.interpret)
+    return _kv4_decode_pallas(
+        q_BTHD,
+        k_q,
+        k_scale,
+        k_zero,
+        v_q,
+        v_scale,
+        v_zero,
+        q_positions_BT,
+        sliding_window=sliding_window,
+        block_s=block_s,
+        interpret=variant.interpret,
+    )
 
 
 # ---------------------------------------------------------------------- shared decode interface
@@ -186,7 +287,7 @@ def _nibbles(ref, h):
 
 def _row(ref, h):
     """Head ``h``'s per-token factor as a ``[1, bk]`` float32 lane vector."""
-    return ref[...].astype(jnp.float32)[h:h + 1, :]
+    return ref[...].astype(jnp.float32)[h : h + 1, :]
 
 
 def _kv4_scores(q, refs, h):
@@ -221,7 +322,9 @@ def kv4_source(k_q, k_scale, k_zero, v_q, v_scale, v_zero):
     kernel reads it in place (no per-step transpose of the cache). One quantization group per
     head (``G = 1``)."""
     if k_scale.shape[-1] != 1:
-        raise NotImplementedError(f"kv4_source: one quantization group per head expected, got {k_scale.shape[-1]}")
+        raise NotImplementedError(
+            f"kv4_source: one quantization group per head expected, got {k_scale.shape[-1]}"
+        )
     arrays = (k_q, k_scale[..., 0], k_zero[..., 0], v_q, v_scale[..., 0], v_zero[..., 0])
     d2 = k_q.shape[-1]
     codec = TPUCodec(_kv4_scores, _kv4_values, (d2, d2), q_in=_even_odd, out=_interleave)

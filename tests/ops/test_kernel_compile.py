@@ -22,7 +22,9 @@ TPU_CASES = [(c, chip) for c in CASES if "tpu" in c.platforms for chip in km.DEF
 CUDA_CASES = [c for c in CASES if "cuda" in c.platforms]
 
 
-@pytest.mark.parametrize("case,chip", TPU_CASES, ids=[f"{c.kernel}-{c.model}-{chip}" for c, chip in TPU_CASES])
+@pytest.mark.parametrize(
+    "case,chip", TPU_CASES, ids=[f"{c.kernel}-{c.model}-{chip}" for c, chip in TPU_CASES]
+)
 def test_tpu_kernel_compiles(case, chip):
     res = km.compile_tpu(case, chip)
     assert res["device_kind"].startswith("TPU v5")
@@ -36,13 +38,17 @@ def test_gpu_kernel_lowers_for_cuda_through_triton(case):
 
 
 def test_negative_control_an_illegal_tpu_block_fails_to_compile():
-    """The harness reports a kernel that does not compile: a (7, 100) block breaks the (8, 128) rule."""
+    """The harness reports a kernel that does not compile: a (7, 100) block breaks (8, 128)."""
+
     def bad(x):
-        return pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2),
-                              grid=(2,), in_specs=[pl.BlockSpec((7, 100), lambda i: (i, 0))],
-                              out_specs=pl.BlockSpec((7, 100), lambda i: (i, 0)),
-                              out_shape=jax.ShapeDtypeStruct((14, 200), jnp.float32),
-                              compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x)
+        return pl.pallas_call(
+            lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2),
+            grid=(2,),
+            in_specs=[pl.BlockSpec((7, 100), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((7, 100), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct((14, 200), jnp.float32),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        )(x)
 
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         km.compile_tpu(km.Case("bad_block", "none", bad, (((14, 200), jnp.float32),)), "v5e")

@@ -1,13 +1,13 @@
 """Every TPU (Mosaic) kernel variant against its jnp reference in the TPU interpreter on CPU.
 
 ``pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=2)``:
-the interpreter simulates VMEM, DMAs and the grid on two cores (megacore: "parallel" grid axes are
-split between them), flags races (e.g. two cores writing one output block), and
-fills uninitialised buffers with NaN, so an output block a kernel forgets to write (or a scratch
-read before its init) makes these comparisons fail; the ``no_races`` fixture fails a test in
-which the race detector flagged any kernel (it keeps the flag across the kernels of one op). Shapes are the odd ones of the GPU-path tests
-(not multiples of the blocks, GQA ratios 2-4, empty groups); grids are kept to tens of steps
-(the interpreter costs ~0.1 s per step here).
+the interpreter simulates VMEM, DMAs and the grid on two cores (megacore: "parallel" grid axes
+are split between them), flags races (e.g. two cores writing one output block) and fills
+uninitialised buffers with NaN, so an output block a kernel forgets to write (or a scratch read
+before its init) makes these comparisons fail; the ``no_races`` fixture fails a test in which the
+race detector flagged any kernel (it keeps the flag across the kernels of one op). Shapes are the
+odd ones of the GPU-path tests (not multiples of the blocks, GQA ratios 2-4, empty groups); grids
+are kept to tens of steps (the interpreter costs ~0.1 s per step here).
 """
 
 import logging
@@ -16,14 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
 from pallasite.ops import dispatch
 from pallasite.ops.attention import decode_attention_dense, flash_attention, reference_attention
 from pallasite.ops.attention.decode import decode_attention, decode_attention_reference
-from pallasite.ops.attention.kv_source import (KVSource, dense_source, pooled_source, quantize_int8,
-                                               scaled_int8_source)
+from pallasite.ops.attention.kv_source import (
+    KVSource,
+    dense_source,
+    pooled_source,
+    quantize_int8,
+    scaled_int8_source,
+)
 from pallasite.ops.gmm import gmm, gmm_pallas, gmm_reference, tgmm_pallas, tgmm_reference
 from pallasite.ops.quant import hadamard
 from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4
@@ -31,7 +35,9 @@ from pallasite.ops.quant.kron_quant import kron_quantize
 from pallasite.ops.quant.kv4_attention import kv4_decode_attention
 from pallasite.ops.quant.quantizers import pack_int4, quantize_kv_asym, unpack_int4
 
-TPU = dispatch.tpu_interpret_params(num_cores_or_threads=2)  # "parallel" axes split over 2 cores (v5p)
+TPU = dispatch.tpu_interpret_params(
+    num_cores_or_threads=2
+)  # "parallel" axes split over 2 cores (v5p)
 F32_TOL = 2e-5
 
 
@@ -73,7 +79,9 @@ def test_flash_tpu_forward_and_gradients_gqa_padding_segments_window():
     valid = jnp.arange(T)[None] < jnp.array([37, 23])[:, None]
     seg = jnp.where(jnp.arange(T)[None] < 15, 1, 2) * valid
     kw = dict(q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=21, k_valid_BS=valid)
-    rows = valid[:, :, None, None]  # padded query rows see no key: kernel 0, reference a uniform mean
+    rows = valid[
+        :, :, None, None
+    ]  # padded query rows see no key: kernel 0, reference a uniform mean
 
     flash = lambda q, k, v: flash_attention(q, k, v, block_q=16, interpret=TPU, **kw)  # noqa: E731
     out, vjp = jax.vjp(flash, q, k, v)  # one forward, one backward
@@ -95,12 +103,21 @@ def test_flash_tpu_skips_fully_masked_key_blocks_prefill_into_cache():
     ref = reference_attention(q, k, v, q_positions_BT=qpos, sliding_window=40)
     outside = (jnp.arange(S) < 128) | (jnp.arange(S) >= 256)
     v_nan = jnp.where(outside[None, :, None, None], jnp.nan, v)
-    out = flash_attention(q, k, v_nan, q_positions_BT=qpos, sliding_window=40, interpret=TPU, kv_layout="BSKD")
+    out = flash_attention(
+        q, k, v_nan, q_positions_BT=qpos, sliding_window=40, interpret=TPU, kv_layout="BSKD"
+    )
     assert np.isfinite(np.asarray(out)).all()
     _close(out, ref)
     # head-major K/V (the dense cache's layout) read without a transpose: same numbers
-    out_hm = flash_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v_nan, 1, 2), q_positions_BT=qpos,
-                             sliding_window=40, interpret=TPU, kv_layout="BKSD")
+    out_hm = flash_attention(
+        q,
+        jnp.swapaxes(k, 1, 2),
+        jnp.swapaxes(v_nan, 1, 2),
+        q_positions_BT=qpos,
+        sliding_window=40,
+        interpret=TPU,
+        kv_layout="BKSD",
+    )
     _close(out_hm, ref)
 
 
@@ -109,7 +126,9 @@ def test_flash_tpu_bf16():
     out = flash_attention(q, k, v, interpret=TPU)
     ref = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
     assert out.dtype == jnp.bfloat16
-    _close(out, ref, atol=3e-2)  # numpy: XLA:CPU's max reduction can drop NaN (jnp.max(NaN...) = -inf)
+    _close(
+        out, ref, atol=3e-2
+    )  # numpy: XLA:CPU's max reduction can drop NaN (jnp.max(NaN...) = -inf)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -125,30 +144,53 @@ def test_decode_tpu_dense_splits_window_nan_poisoned_unused_slots():
     q, k, v = _normal(4, (B, 1, H, D), (B, S, K, D), (B, S, K, D))
     pos = jnp.array([[0], [177], [299]])
     unused = jnp.arange(S)[None, :, None, None] > pos[:, :, None, None]
-    k_p, v_p = _head_major(jnp.where(unused, jnp.nan, k)), _head_major(jnp.where(unused, jnp.nan, v))
-    out = decode_attention_dense(q, k_p, v_p, q_positions_BT=pos, block_k=128, k_splits=2, kv_layout="BKSD",
-                                 interpret=TPU)
+    k_p, v_p = (
+        _head_major(jnp.where(unused, jnp.nan, k)),
+        _head_major(jnp.where(unused, jnp.nan, v)),
+    )
+    out = decode_attention_dense(
+        q, k_p, v_p, q_positions_BT=pos, block_k=128, k_splits=2, kv_layout="BKSD", interpret=TPU
+    )
     assert np.isfinite(np.asarray(out)).all()
     _close(out, reference_attention(q, k, v, q_positions_BT=pos))
     # one split walking 3 blocks from the window's first (block 1 for the last row)
-    win = decode_attention_dense(q, k_p, v_p, q_positions_BT=pos, sliding_window=150, block_k=128, k_splits=1,
-                                 kv_layout="BKSD", interpret=TPU)
+    win = decode_attention_dense(
+        q,
+        k_p,
+        v_p,
+        q_positions_BT=pos,
+        sliding_window=150,
+        block_k=128,
+        k_splits=1,
+        kv_layout="BKSD",
+        interpret=TPU,
+    )
     _close(win, reference_attention(q, k, v, q_positions_BT=pos, sliding_window=150))
 
 
 def test_decode_tpu_int8_and_pooled_sources():
     B, S, H, K, D = 2, 200, 6, 3, 32
-    q, k, v, pool_k, pool_v = _normal(5, (B, 1, H, D), (B, S, K, D), (B, S, K, D), (B, 5, S, D), (B, 5, S, D))
+    q, k, v, pool_k, pool_v = _normal(
+        5, (B, 1, H, D), (B, S, K, D), (B, S, K, D), (B, 5, S, D), (B, 5, S, D)
+    )
     qg = q.reshape(B, K, H // K, D)
     lens = jnp.array([200, 37])
-    src = scaled_int8_source(*quantize_int8(_head_major(k)), *quantize_int8(_head_major(v)), kv_layout="BKSD")
+    src = scaled_int8_source(
+        *quantize_int8(_head_major(k)), *quantize_int8(_head_major(v)), kv_layout="BKSD"
+    )
     out = decode_attention(qg, src, lens, interpret=TPU)
     _close(out, decode_attention_reference(qg, src, lens))
-    assert np.abs(np.asarray(out - decode_attention_reference(qg, dense_source(k, v), lens))).max() > 1e-4
+    assert (
+        np.abs(np.asarray(out - decode_attention_reference(qg, dense_source(k, v), lens))).max()
+        > 1e-4
+    )
     # CateKV-style window: heads 2..4 of a 5-head pool, read in place (scalar-prefetched base)
     pooled = pooled_source(pool_k, pool_v, 2, K)
     out = decode_attention(qg, pooled, lens, interpret=TPU)
-    _close(out, decode_attention_reference(qg, dense_source(pool_k[:, 2:], pool_v[:, 2:], "BKSD"), lens))
+    _close(
+        out,
+        decode_attention_reference(qg, dense_source(pool_k[:, 2:], pool_v[:, 2:], "BKSD"), lens),
+    )
 
 
 @pytest.mark.parametrize("window", [None, 9])
@@ -189,7 +231,10 @@ def test_tpu_fallbacks_are_logged_once_and_use_the_reference(caplog):
     with caplog.at_level(logging.WARNING, logger="pallasite.ops"):
         out = kv4_decode_attention(qq, *cache, pos, impl="pallas", interpret=TPU)
     _close(out, kv4_decode_attention(qq, *cache, pos, impl="ref"), atol=1e-6)
-    assert any("kv4_decode_attention" in r.getMessage() and "groups=2" in r.getMessage() for r in caplog.records)
+    assert any(
+        "kv4_decode_attention" in r.getMessage() and "groups=2" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 # ----------------------------------------------------------------------------- grouped matmul
@@ -245,14 +290,19 @@ def test_int_gemm_tpu(T, K, N):
     acc = np.asarray(xq, np.int64) @ np.asarray(wq, np.int64)  # exact integer GEMM
     ones = int_gemm(xp, jnp.ones((T,)), wp, jnp.ones((N,)), impl="pallas", interpret=TPU)
     np.testing.assert_array_equal(np.asarray(ones), acc)
-    _close(int_gemm(xp, xs, wp, ws, b, impl="pallas", interpret=TPU), int_gemm(xp, xs, wp, ws, b, impl="ref"),
-           atol=1e-5)
+    _close(
+        int_gemm(xp, xs, wp, ws, b, impl="pallas", interpret=TPU),
+        int_gemm(xp, xs, wp, ws, b, impl="ref"),
+        atol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- dispatch
 def test_pick_variant_by_platform_and_interpret_argument():
     assert dispatch.pick_variant(TPU) == dispatch.Variant("tpu", TPU)
-    assert dispatch.pick_variant(None) == dispatch.Variant("gpu", True)  # CPU: the generic interpreter
+    assert dispatch.pick_variant(None) == dispatch.Variant(
+        "gpu", True
+    )  # CPU: the generic interpreter
     assert dispatch.pick_variant(True).kind == "gpu"
     with dispatch.target_platform("tpu"):
         assert dispatch.pick_variant(None) == dispatch.Variant("tpu", False)
