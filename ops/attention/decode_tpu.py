@@ -39,6 +39,14 @@ class _Mask:
         self.col = (col >= start) & (col < length)
 
 
+def _walk(b, split, len_ref, start_ref, *, bk, bps, n_blocks):
+    """``[lo, hi)``: the blocks of ``split`` that intersect row ``b``'s visible slots."""
+    first = split * bps
+    lo = jnp.maximum(start_ref[b] // bk, first)
+    hi = jnp.minimum(pl.cdiv(len_ref[b], bk), jnp.minimum(first + bps, n_blocks))
+    return lo, hi
+
+
 def _kernel(
     len_ref, start_ref, base_ref, q_ref, *refs, codec, n_arrays, scale, bk, bps, n_blocks, K
 ):
@@ -50,7 +58,8 @@ def _kernel(
     m_sc, l_sc = refs[n_arrays + n_parts + 2 : n_arrays + n_parts + 4]
     acc_scs = refs[n_arrays + n_parts + 4 :]
     b, split, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    blk = split * bps + t
+    lo, hi = _walk(b, split, len_ref, start_ref, bk=bk, bps=bps, n_blocks=n_blocks)
+    blk = lo + t  # the block the index maps fetched at this step (the same walk)
     length, start = len_ref[b], start_ref[b]
 
     @pl.when(t == 0)
@@ -60,7 +69,7 @@ def _kernel(
         for acc in acc_scs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-    @pl.when((blk < n_blocks) & (blk * bk < length) & ((blk + 1) * bk > start))
+    @pl.when(blk < hi)
     def _step():
         mask = _Mask(blk * bk, start, length, bk)
         for h in range(K):
@@ -114,9 +123,7 @@ def decode(q_BKGD, src: KVSource, kv_len_B, kv_start_B, *, scale, block_k, k_spl
 
     def block(b, split, t, len_ref, start_ref):
         """The slot block this step reads: the split's visible blocks, then the last one again."""
-        first = split * bps
-        lo = jnp.maximum(start_ref[b] // bk, first)
-        hi = jnp.minimum(pl.cdiv(len_ref[b], bk), jnp.minimum(first + bps, n_blocks))
+        lo, hi = _walk(b, split, len_ref, start_ref, bk=bk, bps=bps, n_blocks=n_blocks)
         return jnp.clip(jnp.minimum(lo + t, jnp.maximum(hi - 1, lo)), 0, n_blocks - 1)
 
     def spec(a):

@@ -193,6 +193,23 @@ def test_decode_tpu_int8_and_pooled_sources():
     )
 
 
+def test_catekv_attend_tpu_full_and_sparse_parts():
+    """CateKV's decode (adaptive heads over the full part, consistent heads over their kept
+    entries, per-row sparse lengths) with the TPU decode kernel == its jnp path."""
+    from pallasite.inference.cache.catekv import CateKVConfig, init_catekv_cache
+    from pallasite.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=8)
+    ccfg = CateKVConfig(budget=40, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8, tail_tokens=8)
+    N = 100
+    layer = init_catekv_cache(cfg, 1, N + 28, np.array([[True, False]]), catekv_cfg=ccfg,
+                              max_new_tokens=4).layer(0)
+    q_last, k, v, q = _normal(8, (1, 8, 4, 16), (1, N, 2, 16), (1, N, 2, 16), (1, 1, 4, 16))
+    layer = layer.fill(q_last, k, v, jnp.array([N]))
+    pos = jnp.array([[N - 1]])
+    _close(layer.attend(q, pos, impl="pallas", interpret=TPU), layer.attend(q, pos))
+
+
 @pytest.mark.parametrize("window", [None, 9])
 def test_kv4_decode_tpu(window):
     rng = np.random.default_rng(11)
