@@ -128,8 +128,10 @@ def _cmd_generate(args, overrides):
         raise SystemExit(f"pallasite generate: options for kv cache kind(s) {unused} given, but --kv-cache is "
                          f"{args.kv_cache!r}")
     cache = {} if args.kv_cache is None else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
+    from pallasite.inference.constrained.sugar import cli_options  # --grammar / --json-schema
+
     pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream, **cache)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream, **cache, **cli_options(args))
     print()
 
 
@@ -231,6 +233,9 @@ def main(argv=None):
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--kv-cache", default=None, metavar="|".join(KV_CACHE.names()),
                            help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE")
+            from pallasite.inference.constrained.sugar import add_cli_arguments
+
+            add_cli_arguments(p)  # --grammar FILE, --json-schema FILE
         if name == "eval":
             p.add_argument("--data", default="stdlib", help="stdlib | FILE.txt | FILE.jsonl")
             p.add_argument("--field", default="text", help="jsonl field holding the text")

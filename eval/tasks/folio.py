@@ -290,7 +290,7 @@ def evaluate(text: str) -> Optional[str]:
 def program_grammar() -> str:
     """The program after (and including) "Predicates:\\n", in llguidance's Lark-like syntax."""
     return "\n".join([
-        'start: "Predicates:\\n" decl+ "Premises:\\n" stmt+ "Conclusion:\\n" stmt',
+        'start: " "? "Predicates:\\n" decl+ "Premises:\\n" stmt+ "Conclusion:\\n" stmt',
         'decl: PRED "(" NAME ("," NAME)* ")" "\\n"',
         'stmt: formula "\\n"',
         'formula: QUANT NAME "(" formula ")" | iff',

@@ -268,7 +268,7 @@ def answer_grammar(variables=None) -> str:
     else:
         var = "VARIABLE: /[a-zA-Z_][a-zA-Z0-9_]*/"
     return "\n".join([
-        'start: "<<" expr ">>"',
+        'start: " "? "<<" expr ">>"',  # the leading space: llguidance ignores " " only between lexemes
         'expr: expr "+" term | expr "-" term | term',
         'term: term "*" factor | term "/" factor | term "//" factor | term "%" factor | factor',
         'factor: "-" factor | "int" "(" expr ")" | primary',

@@ -34,10 +34,14 @@ class TokenBytes:
     def __len__(self):
         return len(self.tokens)
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        lookup = {t: i for i, t in enumerate(self.tokens) if t and i not in self.special_ids}
+        return lookup, max(len(t) for t in lookup)
+
     def encode(self, text, add_special_tokens: bool = False) -> list[int]:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        lookup = {t: i for i, t in enumerate(self.tokens) if t and i not in self.special_ids}
-        longest = max(len(t) for t in lookup)
+        lookup, longest = self._lookup
         out, i = [], 0
         while i < len(data):
             for n in range(min(longest, len(data) - i), 0, -1):
