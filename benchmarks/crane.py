@@ -41,8 +41,11 @@ def gsm_task():
         ans = T.last_span(text)
         return T.equivalent(ans, p.answer, p.variable_types), T.parses(ans)
 
+    from pallasite.eval.tasks.traces import GSM_NAMES
+
     return dict(name="gsm", prompt=T.prompt, grammar=lambda p: T.answer_grammar(p.variables), start=T.START,
-                end=T.END, score=score, make=T.make_problems, modes=("unconstrained", "constrained", "cot", "crane"))
+                end=T.END, score=score, make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES),
+                modes=("unconstrained", "constrained", "cot", "crane"))
 
 
 def folio_task():

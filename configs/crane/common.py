@@ -14,7 +14,7 @@ from pallasite.training.config import parse_arg, train_defaults
 def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
     arg = parse_arg(arg, data="", n=n_problems, steps=steps, cpu=False)
     root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(tempfile.gettempdir(), "pallasite_crane")
-    path = arg.data or os.path.join(root, f"{task}_train_{arg.n}.jsonl")
+    path = arg.data or os.path.join(root, f"{task}_train_{arg.n}" + ("_pos" if task == "gsm" else "") + ".jsonl")
     if not os.path.exists(path):
         traces.write(task, path, arg.n)
     c = train_defaults()

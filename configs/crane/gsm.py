@@ -9,4 +9,4 @@ from pallasite.configs.crane.common import task_config
 
 
 def get_config(arg=None):
-    return task_config("gsm", arg, n_problems=4000, steps=500, seq_len=256)
+    return task_config("gsm", arg, n_problems=4000, steps=300, seq_len=256)

@@ -6,7 +6,9 @@ whose answer is an expression over them (``(n * k - m) // p``). A problem is a c
 steps (a start quantity, then buy / lose / multiply / share / pack operations), so the answer is
 a nested expression; the chain-of-thought trace writes one ``<< ... >>`` span per step, each
 extending the previous one, and ends "The final answer is << ... >>." (the paper's format).
-Variable names are drawn per problem, so answers cannot be memorised.
+Variable names are drawn per problem (``names="random"``), or are a, b, c, ... in order
+(``"positional"``: the answer depends on the operations alone; what a 0.5M-parameter model
+trained for minutes can learn).
 
 ``equivalent(a, b, types)`` decides expression equivalence with z3 over positive integers (``//``
 is floor division, ``%`` its remainder, ``int()`` truncation, as in CRANE's checker), falling back
@@ -72,10 +74,14 @@ def _wrap(expr: str, prec: int, need: int) -> str:
     return f"({expr})" if prec < need else expr
 
 
-def make_problem(rng: random.Random, n_steps: Optional[int] = None) -> Problem:
+def make_problem(rng: random.Random, n_steps: Optional[int] = None, names: str = "random") -> Problem:
+    """``names="random"``: variables named per problem; ``"positional"``: a, b, c, ... in order of
+    appearance (the answer then depends on the operations alone, not on copying names)."""
     n_ops = n_steps if n_steps is not None else rng.randint(2, 4)
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
-    vs = _names(rng, n_ops + 2)
+    if names not in ("random", "positional"):
+        raise ValueError(f"names={names!r}; expected random | positional")
+    vs = _names(rng, n_ops + 2) if names == "random" else list("abcdefgh"[: n_ops + 2])
     sentences, cot, steps = [], ["Let's think step by step."], []
     if rng.random() < 0.5:
         q, prec = f"{vs[0]} * {vs[1]}", 2
@@ -102,9 +108,9 @@ def make_problem(rng: random.Random, n_steps: Optional[int] = None) -> Problem:
                    cot=" ".join(cot), direct=f"{START}{q}{END}")
 
 
-def make_problems(n: int, seed: int) -> list:
+def make_problems(n: int, seed: int, names: str = "random") -> list:
     rng = random.Random(seed)
-    return [make_problem(rng) for _ in range(n)]
+    return [make_problem(rng, names=names) for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------- prompts
