@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from pallasite.inference.constrained.constraint import Constraint, ConstraintError, bind_all
 

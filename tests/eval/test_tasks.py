@@ -3,10 +3,8 @@ z3, and the answer grammars accepting every gold answer / program (and rejecting
 
 import random
 
-import numpy as np
-import pytest
-
-from pallasite.eval.tasks import folio, gsm_symbolic as G, traces
+from pallasite.eval.tasks import folio, traces
+from pallasite.eval.tasks import gsm_symbolic as G
 from pallasite.inference.constrained import Constraint, HostSession, TokenBytes
 
 BYTES = TokenBytes(tuple(bytes([i]) for i in range(256)) + (b"<eos>",), eos_token_id=256, special_ids=(256,))

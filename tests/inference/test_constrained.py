@@ -16,6 +16,7 @@ from pallasite.inference.constrained.rows import test_bit as bit
 from pallasite.inference.constrained.strategy import build_constrained, words_for
 from pallasite.registry import UnknownKindError
 
+
 def _fixtures():
     import importlib.util
     import pathlib
@@ -255,10 +256,11 @@ def test_pallasite_generate_sugar_binds_the_model_tokenizer():
 def test_json_schema_outputs_validate_with_a_real_bpe_tokenizer():
     """A byte-level BPE (the tokenizer path llguidance.hf wraps) and a random model: every output
     that ends with eos is JSON valid under the schema."""
+    from flax import nnx
+
     from pallasite.models.config import ModelConfig
     from pallasite.models.tokenizer import train_bpe
     from pallasite.models.transformer import init_model
-    from flax import nnx
 
     corpus = [json.dumps({"city": c, "n": i}) for i, c in enumerate(["Paris", "Lima", "Oslo", "Rome"] * 50)]
     tok = train_bpe(corpus, 300)
