@@ -55,7 +55,8 @@ class TokenBytes:
         return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return b"".join(self.tokens[i] for i in ids if not (skip_special_tokens and i in self.special_ids)
+        n = len(self.tokens)  # ids past the vocabulary (a model's padded rows) decode to nothing
+        return b"".join(self.tokens[i] for i in ids if i < n and not (skip_special_tokens and i in self.special_ids)
                         ).decode("utf-8", errors="replace")
 
 
