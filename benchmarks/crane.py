@@ -4,7 +4,7 @@
     python -m pallasite.benchmarks.crane                    # + FOLIO task, more problems
     python -m pallasite.benchmarks.crane --smollm2          # SmolLM2-135M-Instruct few-shot (slow on CPU)
     python -m pallasite.benchmarks.crane --json-schema      # tool-call JSON on SmolLM2: valid-output rate
-    python -m pallasite.benchmarks.crane --engines          # llguidance vs XGrammar: compile / mask times
+    python -m pallasite.benchmarks.crane_engines            # llguidance vs XGrammar: compile / mask times
 
 The task models are ``pallasite train`` runs of ``configs/crane/{gsm,folio}.py`` in ``--models``
 (trained there first when missing: ~10 min each on 2 cores). Problems come from the evaluation
@@ -189,14 +189,9 @@ def main(argv=None):
     ap.add_argument("--tasks", default="", help="comma list: gsm,folio (default: gsm quick, both full)")
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct few-shot on the tasks")
     ap.add_argument("--json-schema", action="store_true", help="only the SmolLM2 tool-call JSON example")
-    ap.add_argument("--engines", action="store_true", help="only the llguidance / XGrammar evaluation")
     ap.add_argument("--batch-size", type=int, default=48)
     a = ap.parse_args(argv)
 
-    if a.engines:
-        from pallasite.benchmarks import crane_engines
-
-        return crane_engines.main([])
     if a.json_schema:
         res = json_schema_example(16, 48)
         for k, v in res.items():
