@@ -193,7 +193,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     if a.json_schema:
-        res = json_schema_example(16, 48)
+        res = json_schema_example(8, 96)
         for k, v in res.items():
             print(f"{k:14s} valid {v['valid']:.3f}  {v['seconds']:.1f}s  e.g. {v['example']!r:.120}")
         print(json.dumps({"json_valid_unconstrained": res["unconstrained"]["valid"],

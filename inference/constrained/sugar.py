@@ -3,7 +3,7 @@
 ``make_generation_config(config, options, tokenizer)`` is what ``pallasite.generate`` calls: it turns
 the sugar keywords into ``GenerationConfig.constraint`` and binds every constraint to the model's
 tokenizer. ``add_cli_arguments`` / ``cli_options`` give ``pallasite generate`` its ``--grammar FILE``
-(Lark, or GBNF/EBNF by extension or syntax) and ``--json-schema FILE``.
+(Lark, or GBNF/EBNF by extension or syntax), ``--json-schema FILE`` and ``--regex PATTERN``.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def add_cli_arguments(parser) -> None:
                         help="constrain the completion to a grammar (Lark; .gbnf/.ebnf files: GBNF)")
     parser.add_argument("--json-schema", default=None, metavar="FILE",
                         help="constrain the completion to JSON valid under this schema")
+    parser.add_argument("--regex", default=None, metavar="PATTERN",
+                        help="constrain the completion to a full match of this regular expression")
 
 
 def _read(path: str, flag: str) -> str:
@@ -82,10 +84,14 @@ def _read(path: str, flag: str) -> str:
 
 
 def cli_options(args) -> dict:
-    """``{"constraint": Constraint}`` from ``--grammar`` / ``--json-schema`` (or ``{}``)."""
+    """``{"constraint": Constraint}`` from ``--grammar`` / ``--json-schema`` / ``--regex`` (or ``{}``)."""
     grammar, schema = getattr(args, "grammar", None), getattr(args, "json_schema", None)
-    if grammar and schema:
-        raise SystemExit("pallasite generate: pass --grammar or --json-schema, not both")
+    regex = getattr(args, "regex", None)
+    given = [f for f, v in (("--grammar", grammar), ("--json-schema", schema), ("--regex", regex)) if v]
+    if len(given) > 1:
+        raise SystemExit(f"pallasite generate: pass one of --grammar, --json-schema, --regex; got {given}")
+    if regex:
+        return {"constraint": Constraint("regex", regex, name="--regex")}
     if grammar:
         text = _read(grammar, "--grammar")
         return {"constraint": Constraint(grammar_kind(text, grammar), text, name=os.path.basename(grammar))}
@@ -97,7 +103,6 @@ def cli_options(args) -> dict:
             raise SystemExit(f"pallasite generate: --json-schema {schema!r} is not JSON: {e}")
         return {"constraint": Constraint("json_schema", text, name=os.path.basename(schema))}
     return {}
-
 
 
 __all__ = ["make_generation_config", "sugar_constraint", "grammar_kind", "add_cli_arguments", "cli_options"]

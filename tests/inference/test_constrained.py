@@ -234,7 +234,7 @@ def test_pallasite_generate_sugar_binds_the_model_tokenizer():
         make_generation_config(None, {"grammar": SPAN_LARK, "regex": "a"}, VOCAB)
 
     class Args:
-        grammar, json_schema = None, None
+        grammar, json_schema, regex = None, None, None
 
     a = Args()
     assert cli_options(a) == {}
@@ -251,6 +251,11 @@ def test_pallasite_generate_sugar_binds_the_model_tokenizer():
         with open(a.json_schema, "w") as f:
             json.dump({"type": "integer"}, f)
         assert cli_options(a)["constraint"].kind == "json_schema"
+        a.regex = "[ab]+"
+        with pytest.raises(SystemExit, match="pass one of --grammar, --json-schema, --regex"):
+            cli_options(a)
+        a.json_schema = None
+        assert cli_options(a)["constraint"].kind == "regex"
 
 
 def test_json_schema_outputs_validate_with_a_real_bpe_tokenizer():
