@@ -1,0 +1,1 @@
+"""FactTest (placeholder docstring, filled in below)."""
