@@ -57,9 +57,11 @@ def _step(graphdef, state, cache, logits_BV, positions_B, key, spec, params):
 
 
 def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float], max_new_tokens: int,
-                stop_tokens: Sequence[int] = (), seed: int = 0, prompts_per_batch: int = 8
+                stop_tokens: Sequence[int] = (), seed: int = 0, prompts_per_batch: int = 8,
+                length_bucket: int = LENGTH_BUCKET
                 ) -> list[list[tuple[list[int], np.ndarray]]]:
-    """For every prompt, one completion per entry of ``temperatures``: (new token ids, log-probs)."""
+    """For every prompt, one completion per entry of ``temperatures``: (new token ids, log-probs).
+    Prompts are padded to a multiple of ``length_bucket`` (one compile per bucket)."""
     temps = [float(t) for t in temperatures]
     if not temps or min(temps) < 0:
         raise ValueError(f"sample_rows: temperatures must be a non-empty list of values >= 0, got {temperatures}")
@@ -77,7 +79,7 @@ def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequen
             raise ValueError("sample_rows: every prompt needs at least one token")
         group += [group[0]] * (G - n_real)
         lengths = np.asarray([len(p) for p in group], np.int32)
-        T = _round_up(int(lengths.max()), LENGTH_BUCKET)
+        T = _round_up(int(lengths.max()), int(length_bucket))
         tokens = np.zeros((G, T), np.int32)
         for i, p in enumerate(group):
             tokens[i, : len(p)] = p
