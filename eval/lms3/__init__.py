@@ -10,14 +10,14 @@ for any ``pallasite.load`` model.
     prompt = lms3.build_prompt(test_questions[0], [(pool_q[i], pool_a[i]) for i in chosen[0]])
 
 Modules: ``representation`` (h at position 127), ``weights`` (last-layer W_q, W_k, W_v; GQA
-expansion), ``select`` (Sim, Stab, Score, rejection, baselines, prompt), ``math_data`` (the
+expansion), ``selection`` (Sim, Stab, Score, rejection, baselines, prompt), ``math_data`` (the
 templated pool), ``evaluate`` (end to end accuracy per selector).
 """
 
 from pallasite.eval.lms3.evaluate import complete, rejection_rates, run_selectors
 from pallasite.eval.lms3.math_data import Problem, extract_number, make_problems
 from pallasite.eval.lms3.representation import MAX_LEN, KeyMaskCache, representations, tokenize_questions
-from pallasite.eval.lms3.select import (Projections, build_prompt, resolve_form, select, select_random,
+from pallasite.eval.lms3.selection import (Projections, build_prompt, resolve_form, select, select_random,
                                         select_similar, sim_stab, tiebreak_ranks, transformed_pool)
 from pallasite.eval.lms3.weights import expand_kv, last_layer_qkv
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pallasite.eval.lms3 import select as SEL
+from pallasite.eval.lms3 import selection as SEL
 from pallasite.eval.lms3.math_data import Problem, extract_number
 from pallasite.eval.lms3.representation import representations, tokenize_questions
 from pallasite.eval.model_calls import stop_ids_for
@@ -87,7 +87,13 @@ def run_selectors(model, pool: Sequence[Problem], test: Sequence[Problem], *, ks
     same_template = {name: float(np.nanmean([np.mean([pool[i].template == t.template for i in c]) if c else np.nan
                                            for t, c in zip(test, ch)]))
                      for name, ch in choices.items() if name != "zero_shot"}
+    op = lambda p: p.template.split("_")[0]  # noqa: E731
+    same_op = {name: float(np.nanmean([np.mean([op(pool[i]) == op(t) for i in c]) if c else np.nan
+                                       for t, c in zip(test, ch)]))
+               for name, ch in choices.items() if name != "zero_shot"}
+    distinct = {name: len({i for c in ch for i in c}) for name, ch in choices.items() if name != "zero_shot"}
     return {
+        "same_operation_rate": same_op, "distinct_demos": distinct,
         "n_pool": len(pool), "n_test": len(test), "lambda": lam, "form": used_form, "seed": seed,
         "accuracy": accuracy, "zero_shot_rate": rejected, "same_template_rate": same_template,
         "rejection": [r for k in ks for r in rejection_rates(sim, stab, lams_for_rate, k, tb)],
