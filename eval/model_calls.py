@@ -57,9 +57,17 @@ def _stop_ids(_key, tok, chars, eos):
     return tuple(sorted(set(ids) | set(eos) | set(extra)))
 
 
-def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                     seed: int = 0, stop_tokens: Optional[Sequence[int]] = None, batch_size: int = 16,
-                     top_p: Optional[float] = None) -> list[list[int]]:
+def generate_batched(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_tokens: Optional[Sequence[int]] = None,
+    batch_size: int = 16,
+    top_p: Optional[float] = None,
+) -> list[list[int]]:
     """New token ids per prompt (token-id prompts). Batch ``b`` uses seed ``seed + b``."""
     import pallasite
 
@@ -69,8 +77,15 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     out: list[list[int]] = []
     for b, (lo, hi) in enumerate(_batches(len(prompts), batch_size)):
         rows = _pad_rows([list(map(int, p)) for p in prompts[lo:hi]], batch_size)
-        got = pallasite.generate(ids_model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, seed=seed + b, stop_tokens=list(stop_tokens))
+        got = pallasite.generate(
+            ids_model,
+            rows,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + b,
+            stop_tokens=list(stop_tokens),
+        )
         out.extend(got[: hi - lo])
     return out
 
@@ -84,11 +99,18 @@ def _gather_logprobs(graphdef, state, tokens_BT, pos_BK, targets_BK):
     return jnp.take_along_axis(logp_BKV, targets_BK[..., None], axis=-1)[..., 0]
 
 
-def continuation_logprobs(model, prefixes: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-                          *, batch_size: int = 16) -> list[np.ndarray]:
+def continuation_logprobs(
+    model,
+    prefixes: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 16,
+) -> list[np.ndarray]:
     """Per-token log-probabilities (float32, natural log) of each continuation after its prefix."""
     if len(prefixes) != len(continuations):
-        raise ValueError(f"continuation_logprobs: {len(prefixes)} prefixes vs {len(continuations)} continuations")
+        raise ValueError(
+            f"continuation_logprobs: {len(prefixes)} prefixes vs {len(continuations)} continuations"
+        )
     out: list[np.ndarray] = []
     for lo, hi in _batches(len(prefixes), batch_size):
         pre = _pad_rows([list(map(int, p)) for p in prefixes[lo:hi]], batch_size)
@@ -102,7 +124,9 @@ def continuation_logprobs(model, prefixes: Sequence[Sequence[int]], continuation
         tgt = np.zeros((batch_size, K), np.int32)
         for i, (p, c) in enumerate(zip(pre, con)):
             tokens[i, : len(p) + len(c)] = p + c
-            pos[i, : len(c)] = np.arange(len(p) - 1, len(p) + len(c) - 1)  # position predicting c[j]
+            pos[i, : len(c)] = np.arange(
+                len(p) - 1, len(p) + len(c) - 1
+            )  # position predicting c[j]
             tgt[i, : len(c)] = c
         lp = np.asarray(_gather_logprobs(model.graphdef, model.state, tokens, pos, tgt))
         out.extend(lp[i, : len(continuations[lo + i])] for i in range(hi - lo))
@@ -132,8 +156,9 @@ def mean_hidden(model, sequences: Sequence[Sequence[int]], *, batch_size: int = 
     return np.concatenate(out) if out else np.zeros((0, model.config.d_model), np.float32)
 
 
-def next_token_logprobs(model, prefixes: Sequence[Sequence[int]], candidates: Sequence[int], *,
-                        batch_size: int = 16) -> np.ndarray:
+def next_token_logprobs(
+    model, prefixes: Sequence[Sequence[int]], candidates: Sequence[int], *, batch_size: int = 16
+) -> np.ndarray:
     """[N, C] log p(candidate | prefix) of the next token, for a fixed list of candidate ids."""
     cand = [int(c) for c in candidates]
     if not cand:
@@ -149,5 +174,7 @@ def next_token_logprobs(model, prefixes: Sequence[Sequence[int]], candidates: Se
             tokens[i, : len(r)] = r
         pos = np.asarray([[len(r) - 1] * len(cand) for r in rows], np.int32)
         tgt = np.asarray([cand] * batch_size, np.int32)
-        out.append(np.asarray(_gather_logprobs(model.graphdef, model.state, tokens, pos, tgt))[: hi - lo])
+        out.append(
+            np.asarray(_gather_logprobs(model.graphdef, model.state, tokens, pos, tgt))[: hi - lo]
+        )
     return np.concatenate(out) if out else np.zeros((0, len(cand)), np.float32)

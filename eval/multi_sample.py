@@ -56,15 +56,24 @@ def _step(graphdef, state, cache, logits_BV, positions_B, key, spec, params):
     return tok_B, logp_B, m.head(h)[:, 0].astype(jnp.float32), cache
 
 
-def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float], max_new_tokens: int,
-                stop_tokens: Sequence[int] = (), seed: int = 0, prompts_per_batch: int = 8,
-                length_bucket: int = LENGTH_BUCKET
-                ) -> list[list[tuple[list[int], np.ndarray]]]:
+def sample_rows(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperatures: Sequence[float],
+    max_new_tokens: int,
+    stop_tokens: Sequence[int] = (),
+    seed: int = 0,
+    prompts_per_batch: int = 8,
+    length_bucket: int = LENGTH_BUCKET,
+) -> list[list[tuple[list[int], np.ndarray]]]:
     """For every prompt, one completion per entry of ``temperatures``: (new token ids, log-probs).
     Prompts are padded to a multiple of ``length_bucket`` (one compile per bucket)."""
     temps = [float(t) for t in temperatures]
     if not temps or min(temps) < 0:
-        raise ValueError(f"sample_rows: temperatures must be a non-empty list of values >= 0, got {temperatures}")
+        raise ValueError(
+            f"sample_rows: temperatures must be a non-empty list of values >= 0, got {temperatures}"
+        )
     if max_new_tokens < 1:
         raise ValueError(f"sample_rows: max_new_tokens must be >= 1, got {max_new_tokens}")
     R, G = len(temps), int(prompts_per_batch)
@@ -73,7 +82,7 @@ def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequen
     key = jax.random.key(seed)
     out: list = []
     for lo in range(0, len(prompts), G):
-        group = [list(map(int, p)) for p in prompts[lo:lo + G]]
+        group = [list(map(int, p)) for p in prompts[lo : lo + G]]
         n_real = len(group)
         if any(len(p) == 0 for p in group):
             raise ValueError("sample_rows: every prompt needs at least one token")
@@ -84,8 +93,10 @@ def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequen
         for i, p in enumerate(group):
             tokens[i, : len(p)] = p
         cache = init_dense_cache(model.config, G, _round_up(T + max_new_tokens, 64))
-        logits, cache = _prefill(model.graphdef, model.state, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-        # Row b = prompt b // R, temperature temps[b % R]: repeat each prompt's cache and logits R times.
+        logits, cache = _prefill(
+            model.graphdef, model.state, cache, jnp.asarray(tokens), jnp.asarray(lengths)
+        )
+        # Row b = prompt b // R at temperature temps[b % R]: repeat each prompt's cache R times.
         cache = jax.tree.map(lambda a: jnp.repeat(a, R, axis=1), cache)
         logits = jnp.repeat(logits, R, axis=0)
         pos = np.repeat(lengths, R).astype(np.int32)
@@ -95,8 +106,9 @@ def sample_rows(model, prompts: Sequence[Sequence[int]], *, temperatures: Sequen
         done = np.zeros(G * R, bool)
         for t in range(max_new_tokens):
             key, sub = jax.random.split(key)
-            tok, lp, logits, cache = _step(model.graphdef, model.state, cache, logits, jnp.asarray(pos), sub,
-                                           spec, params)
+            tok, lp, logits, cache = _step(
+                model.graphdef, model.state, cache, logits, jnp.asarray(pos), sub, spec, params
+            )
             tok, lp = np.asarray(tok), np.asarray(lp)
             live = ~done
             toks[live, t], logps[live, t] = tok[live], lp[live]

@@ -13,19 +13,44 @@ Modules: ``calibration`` (the rule), ``scores`` (ve / se / kle / white-box), ``j
 ``qa_data`` (the offline QA set), ``pipeline`` (end to end), ``simulation`` (the guarantee).
 """
 
-from pallasite.eval.facttest.calibration import (Threshold, calibrate, evaluate, k_hat, log_binomial_tail,
-                                                 min_n0)
-from pallasite.eval.facttest.collect import CollectConfig, Collected, collect
-from pallasite.eval.facttest.judges import LMJudge, NormalizedJudge, make_judge
-from pallasite.eval.facttest.pipeline import SCORE_NAMES, alpha_sweep, certainty_scores, run_facttest
-from pallasite.eval.facttest.qa_data import QAItem, build_qa, is_correct, make_splits, normalize, prompt_for
-from pallasite.eval.facttest.shift import (DensityRatio, calibrate_under_shift, fit_density_ratio, fit_logistic,
-                                           rejection_sample)
+import importlib
 
-__all__ = [
-    "Threshold", "calibrate", "evaluate", "k_hat", "log_binomial_tail", "min_n0",
-    "CollectConfig", "Collected", "collect", "LMJudge", "NormalizedJudge", "make_judge",
-    "SCORE_NAMES", "alpha_sweep", "certainty_scores", "run_facttest",
-    "QAItem", "build_qa", "is_correct", "make_splits", "normalize", "prompt_for",
-    "DensityRatio", "calibrate_under_shift", "fit_density_ratio", "fit_logistic", "rejection_sample",
-]
+_EXPORTS = {
+    "Threshold": "pallasite.eval.facttest.calibration",
+    "calibrate": "pallasite.eval.facttest.calibration",
+    "evaluate": "pallasite.eval.facttest.calibration",
+    "k_hat": "pallasite.eval.facttest.calibration",
+    "log_binomial_tail": "pallasite.eval.facttest.calibration",
+    "min_n0": "pallasite.eval.facttest.calibration",
+    "CollectConfig": "pallasite.eval.facttest.collect",
+    "Collected": "pallasite.eval.facttest.collect",
+    "collect": "pallasite.eval.facttest.collect",
+    "LMJudge": "pallasite.eval.facttest.judges",
+    "NormalizedJudge": "pallasite.eval.facttest.judges",
+    "make_judge": "pallasite.eval.facttest.judges",
+    "SCORE_NAMES": "pallasite.eval.facttest.pipeline",
+    "alpha_sweep": "pallasite.eval.facttest.pipeline",
+    "certainty_scores": "pallasite.eval.facttest.pipeline",
+    "run_facttest": "pallasite.eval.facttest.pipeline",
+    "QAItem": "pallasite.eval.facttest.qa_data",
+    "build_qa": "pallasite.eval.facttest.qa_data",
+    "is_correct": "pallasite.eval.facttest.qa_data",
+    "make_splits": "pallasite.eval.facttest.qa_data",
+    "normalize": "pallasite.eval.facttest.qa_data",
+    "prompt_for": "pallasite.eval.facttest.qa_data",
+    "DensityRatio": "pallasite.eval.facttest.shift",
+    "calibrate_under_shift": "pallasite.eval.facttest.shift",
+    "fit_density_ratio": "pallasite.eval.facttest.shift",
+    "fit_logistic": "pallasite.eval.facttest.shift",
+    "rejection_sample": "pallasite.eval.facttest.shift",
+}
+
+
+def __getattr__(name):
+    # Lazy: importing a submodule (e.g. the CLI hook) must not pull in jax.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

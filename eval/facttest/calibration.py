@@ -14,7 +14,8 @@ When n0 < log(delta) / log(1 - alpha), i.e. v(n0) = (1 - alpha)^n0 > delta, no k
 = +inf and the rule abstains on everything, which the result states (``always_abstain``). The
 official loop sums from k = n0 down and uses the first k with v > delta as a 0-based index (=
 k_hat); with no valid k it indexes past its array and it never tests k = 1 -- we return +inf and
-search all of 1..n0. Its script default ``--alpha 0.8`` is not the paper's value; we have no default.
+search all of 1..n0. Its script default ``--alpha 0.8`` is not the paper's value; we set no
+default.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def log_binomial_tail(n0: int, alpha: float) -> np.ndarray:
         raise ValueError(f"n0 must be a non-negative integer, got {n0!r}")
     n0 = int(n0)
     j = np.arange(n0 + 1, dtype=np.float64)
-    log_pmf = (gammaln(n0 + 1) - gammaln(j + 1) - gammaln(n0 - j + 1)
-               + j * np.log1p(-alpha) + (n0 - j) * np.log(alpha))
+    log_pmf = (
+        gammaln(n0 + 1)
+        - gammaln(j + 1)
+        - gammaln(n0 - j + 1)
+        + j * np.log1p(-alpha)
+        + (n0 - j) * np.log(alpha)
+    )
     # Tail sums from the top: log v(k) = logaddexp over j >= k.
     return np.logaddexp.accumulate(log_pmf[::-1])[::-1]
 
@@ -46,7 +52,9 @@ def k_hat(n0: int, alpha: float, delta: float) -> Optional[int]:
     if n0 == 0:
         return None
     log_v = log_binomial_tail(n0, alpha)
-    ok = np.nonzero(log_v[1:] <= math.log(delta))[0]  # v is decreasing in k: the first hit is the min
+    ok = np.nonzero(log_v[1:] <= math.log(delta))[
+        0
+    ]  # v is decreasing in k: the first hit is the min
     return int(ok[0]) + 1 if ok.size else None
 
 
@@ -67,7 +75,9 @@ class Threshold:
     """A calibrated FactTest threshold: answer iff score > tau."""
 
     tau: float  # +inf when always_abstain
-    k_hat: Optional[int]  # 1-based order statistic of the sorted H0 scores; None when always_abstain
+    k_hat: Optional[
+        int
+    ]  # 1-based order statistic of the sorted H0 scores; None when always_abstain
     n0: int
     alpha: float
     delta: float
@@ -93,9 +103,16 @@ def calibrate(h0_scores, alpha: float, delta: float) -> Threshold:
     k = k_hat(n0, alpha, delta)
     if k is None:
         need = min_n0(alpha, delta)
-        return Threshold(math.inf, None, n0, alpha, delta, True,
-                         f"n0={n0} incorrect calibration answers < {need} needed for alpha={alpha}, "
-                         f"delta={delta} ((1-alpha)^n0 > delta): always abstain")
+        return Threshold(
+            math.inf,
+            None,
+            n0,
+            alpha,
+            delta,
+            True,
+            f"n0={n0} incorrect calibration answers < {need} needed for alpha={alpha}, "
+            f"delta={delta} ((1-alpha)^n0 > delta): always abstain",
+        )
     return Threshold(float(scores[k - 1]), k, n0, alpha, delta, False)
 
 
@@ -106,7 +123,9 @@ def evaluate(scores, correct, threshold: Threshold) -> dict:
     scores = np.asarray(scores, np.float64)
     correct = np.asarray(correct, bool)
     if scores.shape != correct.shape:
-        raise ValueError(f"evaluate: scores {scores.shape} and correct {correct.shape} differ in shape")
+        raise ValueError(
+            f"evaluate: scores {scores.shape} and correct {correct.shape} differ in shape"
+        )
     answered = threshold.answers(scores)
     n_wrong, n_right = int((~correct).sum()), int(correct.sum())
     return {

@@ -19,8 +19,10 @@ import numpy as np
 
 from pallasite.eval.facttest.qa_data import normalize
 
-LM_JUDGE_PROMPT = ("Question: {q}\nAnswer A: {a}\nAnswer B: {b}\n"
-                   "If answer A is true, is answer B also true? Reply yes, no or maybe.\nReply:")
+LM_JUDGE_PROMPT = (
+    "Question: {q}\nAnswer A: {a}\nAnswer B: {b}\n"
+    "If answer A is true, is answer B also true? Reply yes, no or maybe.\nReply:"
+)
 
 
 class NormalizedJudge:

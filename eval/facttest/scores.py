@@ -50,14 +50,16 @@ def cluster_ids(answers: Sequence[str], entails: Callable[[str, str], bool]) -> 
     uniq = unique_in_order(answers)
     ids = {a: n for n, a in enumerate(uniq)}
     for i, a in enumerate(uniq):
-        for b in uniq[i + 1:]:
+        for b in uniq[i + 1 :]:
             if entails(a, b) or entails(b, a):
                 ids[b] = ids[a]
     return np.asarray([ids[a] for a in answers])
 
 
-def semantic_entropy(mean_loglik: Sequence[float], classes: Sequence[int], shift: float = LLH_SHIFT) -> float:
-    """mean_C (logsumexp_{k in C} l_k - shift) with l_k the mean token log-likelihood of sample k."""
+def semantic_entropy(
+    mean_loglik: Sequence[float], classes: Sequence[int], shift: float = LLH_SHIFT
+) -> float:
+    """mean_C (logsumexp_{k in C} l_k - shift), l_k = mean token log-likelihood of sample k."""
     ll = np.asarray(mean_loglik, np.float64)
     cl = np.asarray(classes)
     if ll.shape != cl.shape or ll.size == 0:
@@ -66,8 +68,12 @@ def semantic_entropy(mean_loglik: Sequence[float], classes: Sequence[int], shift
     return float(np.mean(agg) - shift)
 
 
-def kle_similarity(probs_fwd: np.ndarray, probs_bwd: np.ndarray, w_entail: float = KLE_WEIGHT_ENTAIL,
-                   w_neutral: float = KLE_WEIGHT_NEUTRAL) -> np.ndarray:
+def kle_similarity(
+    probs_fwd: np.ndarray,
+    probs_bwd: np.ndarray,
+    w_entail: float = KLE_WEIGHT_ENTAIL,
+    w_neutral: float = KLE_WEIGHT_NEUTRAL,
+) -> np.ndarray:
     """s = mean over both directions of (w_e P(entail) + w_n P(neutral)); NLI probabilities are
     [..., 3] in the MNLI order (contradiction, neutral, entailment)."""
     f = w_entail * probs_fwd[..., 2] + w_neutral * probs_fwd[..., 1]

@@ -14,16 +14,38 @@ expansion), ``selection`` (Sim, Stab, Score, rejection, baselines, prompt), ``ma
 templated pool), ``evaluate`` (end to end accuracy per selector).
 """
 
-from pallasite.eval.lms3.evaluate import complete, rejection_rates, run_selectors
-from pallasite.eval.lms3.math_data import Problem, extract_number, make_problems
-from pallasite.eval.lms3.representation import MAX_LEN, KeyMaskCache, representations, tokenize_questions
-from pallasite.eval.lms3.selection import (Projections, build_prompt, resolve_form, select, select_random,
-                                        select_similar, sim_stab, tiebreak_ranks, transformed_pool)
-from pallasite.eval.lms3.weights import expand_kv, last_layer_qkv
+import importlib
 
-__all__ = [
-    "complete", "rejection_rates", "run_selectors", "Problem", "extract_number", "make_problems",
-    "MAX_LEN", "KeyMaskCache", "representations", "tokenize_questions", "Projections", "build_prompt",
-    "resolve_form", "select", "select_random", "select_similar", "sim_stab", "tiebreak_ranks",
-    "transformed_pool", "expand_kv", "last_layer_qkv",
-]
+_EXPORTS = {
+    "complete": "pallasite.eval.lms3.evaluate",
+    "rejection_rates": "pallasite.eval.lms3.evaluate",
+    "run_selectors": "pallasite.eval.lms3.evaluate",
+    "Problem": "pallasite.eval.lms3.math_data",
+    "extract_number": "pallasite.eval.lms3.math_data",
+    "make_problems": "pallasite.eval.lms3.math_data",
+    "MAX_LEN": "pallasite.eval.lms3.representation",
+    "KeyMaskCache": "pallasite.eval.lms3.representation",
+    "representations": "pallasite.eval.lms3.representation",
+    "tokenize_questions": "pallasite.eval.lms3.representation",
+    "Projections": "pallasite.eval.lms3.selection",
+    "build_prompt": "pallasite.eval.lms3.selection",
+    "resolve_form": "pallasite.eval.lms3.selection",
+    "select": "pallasite.eval.lms3.selection",
+    "select_random": "pallasite.eval.lms3.selection",
+    "select_similar": "pallasite.eval.lms3.selection",
+    "sim_stab": "pallasite.eval.lms3.selection",
+    "tiebreak_ranks": "pallasite.eval.lms3.selection",
+    "transformed_pool": "pallasite.eval.lms3.selection",
+    "expand_kv": "pallasite.eval.lms3.weights",
+    "last_layer_qkv": "pallasite.eval.lms3.weights",
+}
+
+
+def __getattr__(name):
+    # Lazy: importing a submodule (e.g. the CLI hook) must not pull in jax.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

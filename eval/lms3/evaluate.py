@@ -23,14 +23,23 @@ from pallasite.eval.multi_sample import sample_rows
 SELECTORS = ("lms3", "random", "similar")
 
 
-def complete(model, prompts: Sequence[str], *, max_new_tokens: int = 10, prompts_per_batch: int = 8) -> list[str]:
+def complete(
+    model, prompts: Sequence[str], *, max_new_tokens: int = 10, prompts_per_batch: int = 8
+) -> list[str]:
     """Greedy completions (cut at the first newline) of distinct prompts, longest first."""
     uniq = list(dict.fromkeys(prompts))
     stops = stop_ids_for(model, "\n")
     ids = [model.encode(p) for p in uniq]
     order = np.argsort([-len(i) for i in ids], kind="stable")
-    rows = sample_rows(model, [ids[i] for i in order], temperatures=[0.0], max_new_tokens=max_new_tokens,
-                       stop_tokens=stops, prompts_per_batch=prompts_per_batch, length_bucket=64)
+    rows = sample_rows(
+        model,
+        [ids[i] for i in order],
+        temperatures=[0.0],
+        max_new_tokens=max_new_tokens,
+        stop_tokens=stops,
+        prompts_per_batch=prompts_per_batch,
+        length_bucket=64,
+    )
     text = {}
     for j, i in enumerate(order):
         text[uniq[i]] = model.decode(rows[j][0][0]).split("\n")[0]
@@ -42,19 +51,37 @@ def rejection_rates(sim, stab, lams: Sequence[float], k: int, tiebreak) -> list[
     out = []
     for lam in lams:
         kept = SEL.select(sim, stab, k, lam, tiebreak)
-        out.append({"lambda": float(lam), "k": k, "zero_shot_rate": float(np.mean([len(c) == 0 for c in kept])),
-                    "mean_kept": float(np.mean([len(c) for c in kept]))})
+        out.append(
+            {
+                "lambda": float(lam),
+                "k": k,
+                "zero_shot_rate": float(np.mean([len(c) == 0 for c in kept])),
+                "mean_kept": float(np.mean([len(c) for c in kept])),
+            }
+        )
     return out
 
 
-def run_selectors(model, pool: Sequence[Problem], test: Sequence[Problem], *, ks: Sequence[int] = (1, 4),
-                  lam: float = 0.01, seed: int = 0, selectors: Sequence[str] = SELECTORS, form: str = "auto",
-                  max_new_tokens: int = 10, prompts_per_batch: int = 8,
-                  lams_for_rate: Sequence[float] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)) -> dict:
+def run_selectors(
+    model,
+    pool: Sequence[Problem],
+    test: Sequence[Problem],
+    *,
+    ks: Sequence[int] = (1, 4),
+    lam: float = 0.01,
+    seed: int = 0,
+    selectors: Sequence[str] = SELECTORS,
+    form: str = "auto",
+    max_new_tokens: int = 10,
+    prompts_per_batch: int = 8,
+    lams_for_rate: Sequence[float] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+) -> dict:
     """Accuracy per (selector, k), zero-shot accuracy, and the rejection rate as lambda varies."""
     unknown = sorted(set(selectors) - set(SELECTORS))
     if unknown:
-        raise ValueError(f"run_selectors: unknown selector(s) {unknown}; expected some of {SELECTORS}")
+        raise ValueError(
+            f"run_selectors: unknown selector(s) {unknown}; expected some of {SELECTORS}"
+        )
     tok = model.tokenizer
     if tok is None:
         raise ValueError("LMS3 run_selectors: the model needs a tokenizer")
@@ -75,27 +102,66 @@ def run_selectors(model, pool: Sequence[Problem], test: Sequence[Problem], *, ks
             else:
                 choices[f"similar_k{k}"] = SEL.select_similar(h_test, h_pool, k, tb)
     choices["zero_shot"] = [[] for _ in test]
-    prompts = {name: [SEL.build_prompt(t.question, [(pool[i].question, pool[i].solution) for i in c])
-                      for t, c in zip(test, ch)] for name, ch in choices.items()}
+    prompts = {
+        name: [
+            SEL.build_prompt(t.question, [(pool[i].question, pool[i].solution) for i in c])
+            for t, c in zip(test, ch)
+        ]
+        for name, ch in choices.items()
+    }
     flat = [p for ps in prompts.values() for p in ps]
-    done = dict(zip(flat, complete(model, flat, max_new_tokens=max_new_tokens, prompts_per_batch=prompts_per_batch)))
+    done = dict(
+        zip(
+            flat,
+            complete(
+                model, flat, max_new_tokens=max_new_tokens, prompts_per_batch=prompts_per_batch
+            ),
+        )
+    )
     accuracy, rejected = {}, {}
     for name, ps in prompts.items():
         hits = [extract_number(done[p]) == float(t.answer) for p, t in zip(ps, test)]
         accuracy[name] = float(np.mean(hits))
         rejected[name] = float(np.mean([len(c) == 0 for c in choices[name]]))
-    same_template = {name: float(np.nanmean([np.mean([pool[i].template == t.template for i in c]) if c else np.nan
-                                           for t, c in zip(test, ch)]))
-                     for name, ch in choices.items() if name != "zero_shot"}
+    same_template = {
+        name: float(
+            np.nanmean(
+                [
+                    np.mean([pool[i].template == t.template for i in c]) if c else np.nan
+                    for t, c in zip(test, ch)
+                ]
+            )
+        )
+        for name, ch in choices.items()
+        if name != "zero_shot"
+    }
     op = lambda p: p.template.split("_")[0]  # noqa: E731
-    same_op = {name: float(np.nanmean([np.mean([op(pool[i]) == op(t) for i in c]) if c else np.nan
-                                       for t, c in zip(test, ch)]))
-               for name, ch in choices.items() if name != "zero_shot"}
-    distinct = {name: len({i for c in ch for i in c}) for name, ch in choices.items() if name != "zero_shot"}
+    same_op = {
+        name: float(
+            np.nanmean(
+                [
+                    np.mean([op(pool[i]) == op(t) for i in c]) if c else np.nan
+                    for t, c in zip(test, ch)
+                ]
+            )
+        )
+        for name, ch in choices.items()
+        if name != "zero_shot"
+    }
+    distinct = {
+        name: len({i for c in ch for i in c}) for name, ch in choices.items() if name != "zero_shot"
+    }
     return {
-        "same_operation_rate": same_op, "distinct_demos": distinct,
-        "n_pool": len(pool), "n_test": len(test), "lambda": lam, "form": used_form, "seed": seed,
-        "accuracy": accuracy, "zero_shot_rate": rejected, "same_template_rate": same_template,
+        "same_operation_rate": same_op,
+        "distinct_demos": distinct,
+        "n_pool": len(pool),
+        "n_test": len(test),
+        "lambda": lam,
+        "form": used_form,
+        "seed": seed,
+        "accuracy": accuracy,
+        "zero_shot_rate": rejected,
+        "same_template_rate": same_template,
         "rejection": [r for k in ks for r in rejection_rates(sim, stab, lams_for_rate, k, tb)],
         "distinct_prompts": len(done),
     }

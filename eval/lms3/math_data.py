@@ -16,9 +16,40 @@ from typing import Optional
 
 import numpy as np
 
-NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Kira", "Leo",
-         "Maya", "Noah", "Olga", "Paul", "Rosa", "Sam", "Tara", "Umar")
-OBJECTS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "balloons")
+NAMES = (
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dan",
+    "Emma",
+    "Finn",
+    "Grace",
+    "Hugo",
+    "Ivy",
+    "Jack",
+    "Kira",
+    "Leo",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Paul",
+    "Rosa",
+    "Sam",
+    "Tara",
+    "Umar",
+)
+OBJECTS = (
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "books",
+    "cookies",
+    "stamps",
+    "shells",
+    "cards",
+    "balloons",
+)
 ITEMS = ("notebook", "toy car", "sandwich", "ticket", "plant", "puzzle")
 
 
@@ -45,17 +76,46 @@ def _mul(r):
 
 # name -> (operand sampler, wording with {n}, {n2}, {o}, {it}, {a}, {b})
 TEMPLATES = {
-    "add_gift": (_add, "{n} has {a} {o}. {n2} gives {n} {b} more {o}. How many {o} does {n} have now?"),
-    "add_places": (_add, "There are {a} {o} on the table and {b} {o} in the bag. How many {o} are there altogether?"),
+    "add_gift": (
+        _add,
+        "{n} has {a} {o}. {n2} gives {n} {b} more {o}. How many {o} does {n} have now?",
+    ),
+    "add_places": (
+        _add,
+        "There are {a} {o} on the table and {b} {o} in the bag. How many {o} are there altogether?",
+    ),
     "add_age": (_add, "{n} is {a} years old. {n2} is {b} years older than {n}. How old is {n2}?"),
-    "add_walk": (_add, "{n} walked {a} miles in the morning and {b} miles in the evening. How many miles did {n} walk?"),
-    "sub_give": (_sub, "{n} had {a} {o}. {n} gave {b} of them to {n2}. How many {o} does {n} have left?"),
-    "sub_shelf": (_sub, "A shelf holds {a} books. {b} books are taken away. How many books are left on the shelf?"),
-    "sub_spend": (_sub, "{n} has {a} dollars and spends {b} dollars on a {it}. How many dollars does {n} have left?"),
-    "sub_compare": (_sub, "{n} has {a} {o} and {n2} has {b} {o}. How many more {o} does {n} have than {n2}?"),
-    "mul_boxes": (_mul, "There are {a} boxes with {b} {o} in each box. How many {o} are there in total?"),
+    "add_walk": (
+        _add,
+        "{n} walked {a} miles in the morning and {b} miles in the evening. "
+        "How many miles did {n} walk?",
+    ),
+    "sub_give": (
+        _sub,
+        "{n} had {a} {o}. {n} gave {b} of them to {n2}. How many {o} does {n} have left?",
+    ),
+    "sub_shelf": (
+        _sub,
+        "A shelf holds {a} books. {b} books are taken away. How many books are left on the shelf?",
+    ),
+    "sub_spend": (
+        _sub,
+        "{n} has {a} dollars and spends {b} dollars on a {it}. "
+        "How many dollars does {n} have left?",
+    ),
+    "sub_compare": (
+        _sub,
+        "{n} has {a} {o} and {n2} has {b} {o}. How many more {o} does {n} have than {n2}?",
+    ),
+    "mul_boxes": (
+        _mul,
+        "There are {a} boxes with {b} {o} in each box. How many {o} are there in total?",
+    ),
     "mul_price": (_mul, "One {it} costs {a} dollars. How many dollars do {b} of them cost?"),
-    "mul_speed": (_mul, "A train travels {a} miles every hour. How many miles does it travel in {b} hours?"),
+    "mul_speed": (
+        _mul,
+        "A train travels {a} miles every hour. How many miles does it travel in {b} hours?",
+    ),
     "mul_pages": (_mul, "{n} reads {a} pages every day. How many pages does {n} read in {b} days?"),
 }
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -80,7 +140,9 @@ def make_problems(n: int, seed: int = 0, exclude: Optional[set] = None) -> list[
             c = _OPS[op](int(a), int(b))
             out.append(Problem(q, c, f"{a} {op} {b} = {c}", t))
     if len(out) < n:
-        raise ValueError(f"make_problems: could only draw {len(out)} distinct problems, asked for {n}")
+        raise ValueError(
+            f"make_problems: could only draw {len(out)} distinct problems, asked for {n}"
+        )
     return out
 
 

@@ -35,10 +35,28 @@ class KeyMaskCache:
 
     valid: jax.Array
 
-    def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
-                          interpret=None):
-        out = attention(q_BTHD, k_BTKD, v_BTKD, q_positions_BT=positions_BT, k_positions_BS=positions_BT,
-                        causal=True, sliding_window=sliding_window, k_valid_BS=self.valid, impl="ref")
+    def update_and_attend(
+        self,
+        q_BTHD,
+        k_BTKD,
+        v_BTKD,
+        positions_BT,
+        *,
+        sliding_window=None,
+        impl="ref",
+        interpret=None,
+    ):
+        out = attention(
+            q_BTHD,
+            k_BTKD,
+            v_BTKD,
+            q_positions_BT=positions_BT,
+            k_positions_BS=positions_BT,
+            causal=True,
+            sliding_window=sliding_window,
+            k_valid_BS=self.valid,
+            impl="ref",
+        )
         return out, self
 
 
@@ -50,7 +68,7 @@ def _hidden_at_last(graphdef, state, tokens_BT, positions_BT, valid_LBT):
 
 
 def tokenize_questions(tokenizer, texts: Sequence[str], max_len: int = MAX_LEN) -> list[list[int]]:
-    """The tokenizer's own special tokens (as ``tokenizer(text, add_special_tokens=True)``), cut at max_len."""
+    """Ids with the tokenizer's own special tokens (``add_special_tokens=True``), cut at max_len."""
     out = []
     for t in texts:
         ids = list(tokenizer(t, add_special_tokens=True)["input_ids"])[:max_len]
@@ -60,13 +78,23 @@ def tokenize_questions(tokenizer, texts: Sequence[str], max_len: int = MAX_LEN) 
     return out
 
 
-def representations(model, token_lists: Sequence[Sequence[int]], *, max_len: int = MAX_LEN,
-                    pad_id: Optional[int] = None, batch_size: int = 16) -> np.ndarray:
+def representations(
+    model,
+    token_lists: Sequence[Sequence[int]],
+    *,
+    max_len: int = MAX_LEN,
+    pad_id: Optional[int] = None,
+    batch_size: int = 16,
+) -> np.ndarray:
     """[N, D] float32 hidden state at position max_len - 1 (HF right-padding semantics)."""
     cfg = model.config
     if pad_id is None:
         tok = model.tokenizer
-        pad_id = tok.eos_token_id if tok is not None and tok.eos_token_id is not None else (cfg.eos_token_id or (None,))[0]
+        pad_id = (
+            tok.eos_token_id
+            if tok is not None and tok.eos_token_id is not None
+            else (cfg.eos_token_id or (None,))[0]
+        )
     if pad_id is None:
         raise ValueError("LMS3 representations: no EOS id to pad with; pass pad_id=")
     rows = [list(map(int, t))[:max_len] for t in token_lists]
@@ -74,23 +102,33 @@ def representations(model, token_lists: Sequence[Sequence[int]], *, max_len: int
         raise ValueError("LMS3 representations: empty token list")
     out = []
     for lo in range(0, len(rows), batch_size):
-        chunk = rows[lo:lo + batch_size]
+        chunk = rows[lo : lo + batch_size]
         n_real = len(chunk)
         chunk = chunk + [chunk[0]] * (batch_size - n_real)
-        T = min(-(-max(min(len(r) + 1, max_len) for r in chunk) // LENGTH_BUCKET) * LENGTH_BUCKET, max_len)
+        T = min(
+            -(-max(min(len(r) + 1, max_len) for r in chunk) // LENGTH_BUCKET) * LENGTH_BUCKET,
+            max_len,
+        )
         tokens = np.full((batch_size, T), pad_id, np.int32)
         positions = np.zeros((batch_size, T), np.int32)
         valid = np.zeros((batch_size, T), bool)
         for i, r in enumerate(chunk):
             n = len(r)
-            if n >= max_len:  # truncated: no pad, h is that of its max_len-th token (then T == max_len)
+            if (
+                n >= max_len
+            ):  # truncated: no pad, h is that of its max_len-th token (then T == max_len)
                 tokens[i], positions[i], valid[i] = r, np.arange(max_len), True
-            else:  # real tokens at 0..n-1, junk slots n..T-2 (masked as keys), one EOS at max_len - 1
+            else:  # real tokens 0..n-1, junk slots n..T-2 (masked as keys), EOS at max_len - 1
                 tokens[i, :n], valid[i, :n] = r, True
                 positions[i, : T - 1] = np.arange(T - 1)
                 positions[i, T - 1] = max_len - 1
         valid_L = np.broadcast_to(valid, (cfg.n_layers,) + valid.shape)
-        h = _hidden_at_last(model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(positions),
-                            jnp.asarray(valid_L))
+        h = _hidden_at_last(
+            model.graphdef,
+            model.state,
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(valid_L),
+        )
         out.append(np.asarray(h)[:n_real])
     return np.concatenate(out)

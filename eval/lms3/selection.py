@@ -7,7 +7,7 @@ expanded to W~_k) and W_v in [out, in] orientation (``weights.py``):
     Sim(test, X) = || h_test - W~_k W_q h_X ||_2        (smaller = more similar)
     Stab(X)      = || W_v h_X ||_2                        (unexpanded value projection)
     Score        = Sim * Stab;   top-k = the k smallest Score (in that order)
-    rejection    : keep a chosen X only if it is among the int(lambda |D|) smallest Sim (lambda = 1%);
+    rejection    : keep a chosen X only if among the int(lambda |D|) smallest Sim (lambda = 1%);
                    nothing kept -> zero-shot.
 
 ``W~_k W_q h`` is the official ``w_k1.T @ (w_q @ x)`` (its comment writes W_k^T W_q); it needs
@@ -28,7 +28,10 @@ from pallasite.eval.lms3.weights import expand_kv, last_layer_qkv
 
 FORMS = ("auto", "code", "transposed")
 ONE_SHOT_PREFIX = "Here are some examples you can refer to."
-ONE_SHOT_SUFFIX = "\n\n---Now it's your turn!\n- Take a deep breath\n- Think step by step\n- I will tip $200\n\nQ: "
+ONE_SHOT_SUFFIX = (
+    "\n\n---Now it's your turn!\n- Take a deep breath\n- Think step by step\n"
+    "- I will tip $200\n\nQ: "
+)
 ZERO_SHOT_PREFIX = "Let's think step by step: "
 
 
@@ -51,8 +54,10 @@ def resolve_form(proj: Projections, form: str = "auto") -> str:
     if form == "auto":
         return "code" if square else "transposed"
     if form == "code" and not square:
-        raise ValueError(f"LMS3 form='code' needs H*Dh == D; this model has H*Dh={proj.w_q.shape[0]}, "
-                         f"D={proj.w_q.shape[1]} (use form='transposed' or 'auto')")
+        raise ValueError(
+            f"LMS3 form='code' needs H*Dh == D; this model has H*Dh={proj.w_q.shape[0]}, "
+            f"D={proj.w_q.shape[1]} (use form='transposed' or 'auto')"
+        )
     return form
 
 
@@ -65,7 +70,9 @@ def transformed_pool(h_pool_ND: np.ndarray, proj: Projections, form: str = "auto
     return q @ wk.T if form == "code" else q @ wk
 
 
-def sim_stab(h_test_MD, h_pool_ND, proj: Projections, form: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+def sim_stab(
+    h_test_MD, h_pool_ND, proj: Projections, form: str = "auto"
+) -> tuple[np.ndarray, np.ndarray]:
     """Sim [M, N] and Stab [N] (float64)."""
     t = np.asarray(h_test_MD, np.float64)
     x = transformed_pool(h_pool_ND, proj, form)
@@ -85,8 +92,13 @@ def _order(values_N: np.ndarray, tiebreak_N: np.ndarray) -> np.ndarray:
     return np.lexsort((tiebreak_N, values_N))  # primary: value, then the key
 
 
-def select(sim_MN: np.ndarray, stab_N: np.ndarray, k: int = 1, lam: float = 0.01,
-           tiebreak_N: Optional[np.ndarray] = None) -> list[list[int]]:
+def select(
+    sim_MN: np.ndarray,
+    stab_N: np.ndarray,
+    k: int = 1,
+    lam: float = 0.01,
+    tiebreak_N: Optional[np.ndarray] = None,
+) -> list[list[int]]:
     """Alg. 1: the k smallest Score per test item, each kept only if among the int(lam * N)
     smallest Sim; returns the kept pool indices in Score order ([] = zero-shot)."""
     sim = np.asarray(sim_MN, np.float64)
@@ -106,11 +118,15 @@ def select(sim_MN: np.ndarray, stab_N: np.ndarray, k: int = 1, lam: float = 0.01
     return out
 
 
-def select_similar(h_test_MD, h_pool_ND, k: int, tiebreak_N: Optional[np.ndarray] = None) -> list[list[int]]:
-    """Similarity retrieval baseline: the k highest cosine similarities on the same representations."""
+def select_similar(
+    h_test_MD, h_pool_ND, k: int, tiebreak_N: Optional[np.ndarray] = None
+) -> list[list[int]]:
+    """Similarity retrieval baseline: the k highest cosines on the same representations."""
     t = np.asarray(h_test_MD, np.float64)
     x = np.asarray(h_pool_ND, np.float64)
-    cos = (t / np.linalg.norm(t, axis=1, keepdims=True)) @ (x / np.linalg.norm(x, axis=1, keepdims=True)).T
+    cos = (t / np.linalg.norm(t, axis=1, keepdims=True)) @ (
+        x / np.linalg.norm(x, axis=1, keepdims=True)
+    ).T
     tb = np.arange(x.shape[0]) if tiebreak_N is None else np.asarray(tiebreak_N)
     return [[int(i) for i in _order(-cos[m], tb)[:k]] for m in range(t.shape[0])]
 

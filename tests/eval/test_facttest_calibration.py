@@ -28,14 +28,23 @@ def brute_k_hat(n0, alpha, delta):
 
 
 @pytest.mark.parametrize("n0", [1, 5, 29, 30, 44, 45, 89, 90, 100, 257, 500])
-@pytest.mark.parametrize("alpha,delta", [(0.05, 0.01), (0.05, 0.05), (0.1, 0.01), (0.1, 0.05), (0.2, 0.1)])
+@pytest.mark.parametrize(
+    "alpha,delta", [(0.05, 0.01), (0.05, 0.05), (0.1, 0.01), (0.1, 0.05), (0.2, 0.1)]
+)
 def test_k_hat_equals_brute_force_binomial_tail(n0, alpha, delta):
     assert C.k_hat(n0, alpha, delta) == brute_k_hat(n0, alpha, delta)
 
 
 def test_log_tail_matches_exact_sum():
-    exact = [float(sum(math.comb(40, j) * Fraction(9, 10) ** j * Fraction(1, 10) ** (40 - j) for j in range(k, 41)))
-             for k in range(41)]
+    exact = [
+        float(
+            sum(
+                math.comb(40, j) * Fraction(9, 10) ** j * Fraction(1, 10) ** (40 - j)
+                for j in range(k, 41)
+            )
+        )
+        for k in range(41)
+    ]
     np.testing.assert_allclose(np.exp(C.log_binomial_tail(40, 0.1)), exact, rtol=1e-10)
 
 
@@ -100,7 +109,9 @@ def test_guarantee_holds_and_is_tight_for_continuous_scores(n0, alpha, delta):
     assert abs(r["violation_rate_facttest"] - r["expected_continuous"]) <= 4 * r["mc_se"] + 1e-12
     if r["k_hat"] is not None and n0 >= 100:
         assert r["expected_continuous"] >= delta / 3  # close to delta, not vacuous
-    assert r["violation_rate_naive"] >= 0.45  # negative control: the plain quantile fails ~half the time
+    assert (
+        r["violation_rate_naive"] >= 0.45
+    )  # negative control: the plain quantile fails ~half the time
 
 
 @pytest.mark.parametrize("n0,alpha,delta", [(100, 0.05, 0.05), (500, 0.1, 0.01), (30, 0.1, 0.05)])

@@ -63,7 +63,9 @@ def test_kernel_entropy_matches_explicit_construction():
 def test_kle_similarity_weights_both_directions():
     fwd = np.array([0.1, 0.2, 0.7])
     bwd = np.array([0.5, 0.5, 0.0])
-    assert math.isclose(float(S.kle_similarity(fwd, bwd)), ((0.7 * 0.7 + 0.3 * 0.2) + (0.3 * 0.5)) / 2)
+    assert math.isclose(
+        float(S.kle_similarity(fwd, bwd)), ((0.7 * 0.7 + 0.3 * 0.2) + (0.3 * 0.5)) / 2
+    )
 
 
 def test_normalize_and_is_correct():
@@ -83,7 +85,10 @@ def test_make_splits_disjoint_with_reversed_mix():
     qs = [set(it.question for it in v) for v in sp.values()]
     assert sum(map(len, qs)) == len(set.union(*qs)) == 800
     far = lambda v: np.mean([it.continent == "AF" for it in v])  # noqa: E731
-    assert abs(far(sp["calibration"] + sp["test"]) - 0.2) < 0.01 and abs(far(sp["shifted"]) - 0.8) < 0.01
+    assert (
+        abs(far(sp["calibration"] + sp["test"]) - 0.2) < 0.01
+        and abs(far(sp["shifted"]) - 0.8) < 0.01
+    )
     with pytest.raises(ValueError, match="pool"):
         make_splits(items[:10], n_cal=400, n_test=200, n_shift=200)
 
@@ -100,7 +105,9 @@ def synthetic_collected(n, rng, acc=0.5, informative=True):
         ll.append(list(rng.normal(-0.3 if c else -1.5, 0.3, 6)))
         glp.append(rng.normal(-0.2 if c else -1.2, 0.3, 3))
     items = [_item(i) for i in range(n)]
-    return Collected(items, ["g"] * n, correct, glp, ve, se, ll, rng.normal(size=(n, 4)).astype(np.float32))
+    return Collected(
+        items, ["g"] * n, correct, glp, ve, se, ll, rng.normal(size=(n, 4)).astype(np.float32)
+    )
 
 
 def test_pipeline_controls_type1_and_stubs_fail():
@@ -114,9 +121,12 @@ def test_pipeline_controls_type1_and_stubs_fail():
             assert row["accuracy_answered"] > row["accuracy_all"] + 0.1, (name, alpha, row)
     # always-answer stub: Type I 1; always-abstain stub: answers nothing
     from pallasite.eval.facttest.calibration import Threshold, evaluate
+
     s = certainty_scores(test, ["wb"])["wb"]
     assert evaluate(s, test.correct, Threshold(-math.inf, 1, 1, 0.1, 0.05, False))["type1"] == 1.0
-    assert evaluate(s, test.correct, Threshold(math.inf, None, 1, 0.1, 0.05, True))["n_answered"] == 0
+    assert (
+        evaluate(s, test.correct, Threshold(math.inf, None, 1, 0.1, 0.05, True))["n_answered"] == 0
+    )
 
 
 def test_pipeline_with_covariate_shift_reports_accepted_points():

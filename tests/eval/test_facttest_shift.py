@@ -28,7 +28,9 @@ def test_logistic_recovers_known_coefficients():
     np.testing.assert_allclose(coef, [1.5, -0.5], atol=0.08)
     assert abs(bias - 0.3) < 0.06
     # batched problems give the same answer as one at a time
-    cb, bb = SH.fit_logistic(np.stack([x[:500], x[500:1000]]), np.stack([y[:500], y[500:1000]]), l2=1e-3)
+    cb, bb = SH.fit_logistic(
+        np.stack([x[:500], x[500:1000]]), np.stack([y[:500], y[500:1000]]), l2=1e-3
+    )
     c1, b1 = SH.fit_logistic(x[500:1000], y[500:1000], l2=1e-3)
     np.testing.assert_allclose(cb[1], c1, rtol=1e-8)
 

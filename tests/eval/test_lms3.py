@@ -28,14 +28,23 @@ def test_expanded_key_times_query_equals_per_head_construction(tiny):
     _, model = tiny
     cfg = model.config
     wq, wk, wv = last_layer_qkv(model)
-    assert wq.shape == (cfg.n_heads * cfg.dh, cfg.d_model) and wk.shape == (cfg.n_kv_heads * cfg.dh, cfg.d_model)
+    assert wq.shape == (cfg.n_heads * cfg.dh, cfg.d_model) and wk.shape == (
+        cfg.n_kv_heads * cfg.dh,
+        cfg.d_model,
+    )
     h = np.random.default_rng(0).normal(size=cfg.d_model)
     q = wq @ h
     group = cfg.n_heads // cfg.n_kv_heads
-    explicit = np.concatenate([wk[(i // group) * cfg.dh:(i // group + 1) * cfg.dh] @ q for i in range(cfg.n_heads)])
-    np.testing.assert_allclose(expand_kv(wk, cfg.n_heads, cfg.n_kv_heads) @ q, explicit, rtol=1e-6, atol=1e-6)
+    explicit = np.concatenate(
+        [wk[(i // group) * cfg.dh : (i // group + 1) * cfg.dh] @ q for i in range(cfg.n_heads)]
+    )
+    np.testing.assert_allclose(
+        expand_kv(wk, cfg.n_heads, cfg.n_kv_heads) @ q, explicit, rtol=1e-6, atol=1e-6
+    )
     proj = SEL.Projections.from_model(model)
-    np.testing.assert_allclose(SEL.transformed_pool(h[None], proj, "code")[0], explicit, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(
+        SEL.transformed_pool(h[None], proj, "code")[0], explicit, rtol=1e-6, atol=1e-5
+    )
     # kernel layout [in, out] -> torch [out, in]: the HF model's own weights
     attn = tiny[0].model.layers[-1].self_attn
     np.testing.assert_allclose(wq, attn.q_proj.weight.detach().numpy(), atol=1e-6)
@@ -43,16 +52,21 @@ def test_expanded_key_times_query_equals_per_head_construction(tiny):
 
 
 def hf_representation(torch_model, rows, max_len=128):
-    """The official get_representation: right-pad with EOS to max_len, attention mask, h[-1][:, -1]."""
+    """The official get_representation: right-pad with EOS, attention mask, h[-1][:, -1]."""
     ids = np.full((len(rows), max_len), EOS)
     mask = np.zeros((len(rows), max_len), np.int64)
     for i, r in enumerate(rows):
         r = r[:max_len]
         ids[i, : len(r)], mask[i, : len(r)] = r, 1
     with torch.no_grad():
-        out = torch_model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
-                          output_hidden_states=True)
-        base = torch_model.model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask))
+        out = torch_model(
+            input_ids=torch.as_tensor(ids),
+            attention_mask=torch.as_tensor(mask),
+            output_hidden_states=True,
+        )
+        base = torch_model.model(
+            input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)
+        )
     out.last_hidden_state = base.last_hidden_state
     return out.hidden_states[-1][:, -1].float().numpy(), out
 
@@ -79,12 +93,14 @@ def _reference_select(h_test, h_pool, wq, wk, wv, n_heads, n_kv, k, lam, keys):
         sims, scores = [], []
         for x in h_pool:
             q = wq @ x
-            y = np.concatenate([wk[(i // g) * dh:(i // g + 1) * dh] @ q for i in range(n_heads)])
+            y = np.concatenate([wk[(i // g) * dh : (i // g + 1) * dh] @ q for i in range(n_heads)])
             s = float(np.sqrt(((t - y) ** 2).sum()))
             sims.append(s)
             scores.append(s * float(np.linalg.norm(wv @ x)))
         by_score = sorted(range(len(h_pool)), key=lambda j: (scores[j], keys[j]))[:k]
-        near = sorted(range(len(h_pool)), key=lambda j: (sims[j], keys[j]))[: int(lam * len(h_pool))]
+        near = sorted(range(len(h_pool)), key=lambda j: (sims[j], keys[j]))[
+            : int(lam * len(h_pool))
+        ]
         out.append([j for j in by_score if j in near])
     return out
 
@@ -143,6 +159,9 @@ def test_non_square_models_use_the_transposed_form(tmp_path):
 
 def test_prompt_layout_is_the_official_one():
     p = SEL.build_prompt("Q?", [("D1?", "1 + 1 = 2")])
-    assert p == ("Here are some examples you can refer to.\n\nQ: D1?\nA: 1 + 1 = 2\n\n---Now it's your turn!\n"
-                 "- Take a deep breath\n- Think step by step\n- I will tip $200\n\nQ: Q?\nA: ")
+    assert p == (
+        "Here are some examples you can refer to.\n\nQ: D1?\nA: 1 + 1 = 2"
+        "\n\n---Now it's your turn!\n"
+        "- Take a deep breath\n- Think step by step\n- I will tip $200\n\nQ: Q?\nA: "
+    )
     assert SEL.build_prompt("Q?", []) == "Let's think step by step: Q?\nA: "
