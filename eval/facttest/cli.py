@@ -60,7 +60,7 @@ def run(args) -> dict:
         make_splits,
         run_facttest,
     )
-    from pallasite.eval.facttest.collect import collect_splits
+    from pallasite.eval.facttest.outputs import collect_splits
     from pallasite.eval.facttest.report import format_table
 
     names = tuple(s.strip() for s in args.scores.split(",") if s.strip())

@@ -123,35 +123,35 @@ def run_selectors(
         hits = [extract_number(done[p]) == float(t.answer) for p, t in zip(ps, test)]
         accuracy[name] = float(np.mean(hits))
         rejected[name] = float(np.mean([len(c) == 0 for c in choices[name]]))
-    same_template = {
-        name: float(
-            np.nanmean(
-                [
-                    np.mean([pool[i].template == t.template for i in c]) if c else np.nan
-                    for t, c in zip(test, ch)
-                ]
-            )
-        )
-        for name, ch in choices.items()
-        if name != "zero_shot"
-    }
-    op = lambda p: p.template.split("_")[0]  # noqa: E731
-    same_op = {
-        name: float(
-            np.nanmean(
-                [
-                    np.mean([op(pool[i]) == op(t) for i in c]) if c else np.nan
-                    for t, c in zip(test, ch)
-                ]
-            )
-        )
-        for name, ch in choices.items()
-        if name != "zero_shot"
-    }
+
+    def match_rate(ch, key):
+        """Mean over test problems with demonstrations of the share whose key matches (nan: none)."""
+        rates = [np.mean([key(pool[i]) == key(t) for i in c]) for t, c in zip(test, ch) if c]
+        return float(np.mean(rates)) if rates else float("nan")
+
+    def op(p):
+        return p.template.split("_")[0]
+
+    shown = {name: ch for name, ch in choices.items() if name != "zero_shot"}
+    same_template = {name: match_rate(ch, lambda p: p.template) for name, ch in shown.items()}
+    same_op = {name: match_rate(ch, op) for name, ch in shown.items()}
     distinct = {
         name: len({i for c in ch for i in c}) for name, ch in choices.items() if name != "zero_shot"
     }
+    x_norm = np.linalg.norm(SEL.transformed_pool(h_pool, proj, used_form), axis=1)
+    diagnostics = {  # why Sim may rank the pool the same way for every test problem
+        "h_test_norm_mean": float(np.linalg.norm(h_test, axis=1).mean()),
+        "transformed_pool_norm_mean": float(x_norm.mean()),
+        "transformed_pool_norm_std": float(x_norm.std()),
+        "stab_cv": float(stab.std() / stab.mean()),
+        "sim_rank_corr_across_tests": (
+            float(np.mean(np.corrcoef(np.argsort(np.argsort(sim, 1), 1))))
+            if len(test) > 1
+            else float("nan")
+        ),
+    }
     return {
+        "diagnostics": diagnostics,
         "same_operation_rate": same_op,
         "distinct_demos": distinct,
         "n_pool": len(pool),
