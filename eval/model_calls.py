@@ -1,10 +1,9 @@
 """Batched model calls shared by the evaluation methods, for any ``pallasite.load`` model.
 
-* ``generate_batched`` -- ``pallasite.generate`` over fixed-size, padded batches (one compile per
-  prompt-length bucket), returning new token ids (stop token included when hit).
 * ``continuation_logprobs`` -- log p(token | prefix) of each continuation token, from one forward
   (``Transformer.__call__(..., return_hidden=True)``, LM head only at the scored positions).
 * ``mean_hidden`` -- the mean of the final-normed hidden states over each sequence's tokens.
+* ``next_token_logprobs`` -- log p of a fixed list of candidate next tokens (the LM judge).
 * ``stop_ids_for`` -- the ids of every vocabulary token whose text contains one of some characters
   (to stop sampling at the first '.' or newline, as the official FactTest code truncates).
 Sequences are right-padded (causal attention: padding never reaches the real positions).
@@ -12,9 +11,8 @@ Sequences are right-padded (causal attention: padding never reaches the real pos
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,39 +53,6 @@ def _stop_ids(_key, tok, chars, eos):
     ids = [i for i, t in enumerate(texts) if any(c in t for c in chars)]
     extra = [tok.eos_token_id] if tok.eos_token_id is not None else []
     return tuple(sorted(set(ids) | set(eos) | set(extra)))
-
-
-def generate_batched(
-    model,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    stop_tokens: Optional[Sequence[int]] = None,
-    batch_size: int = 16,
-    top_p: Optional[float] = None,
-) -> list[list[int]]:
-    """New token ids per prompt (token-id prompts). Batch ``b`` uses seed ``seed + b``."""
-    import pallasite
-
-    ids_model = dataclasses.replace(model, tokenizer=None)  # generate returns ids, not text
-    if stop_tokens is None:
-        stop_tokens = tuple(model.config.eos_token_id or ())
-    out: list[list[int]] = []
-    for b, (lo, hi) in enumerate(_batches(len(prompts), batch_size)):
-        rows = _pad_rows([list(map(int, p)) for p in prompts[lo:hi]], batch_size)
-        got = pallasite.generate(
-            ids_model,
-            rows,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed + b,
-            stop_tokens=list(stop_tokens),
-        )
-        out.extend(got[: hi - lo])
-    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)
