@@ -4,6 +4,7 @@
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
                        [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
+    pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
 
@@ -134,6 +135,10 @@ def _cmd_generate(args, overrides):
 
 
 def _cmd_eval(args, overrides):
+    if args.facttest:  # FactTest (eval/facttest/cli.py)
+        from pallasite.eval.facttest import cli as facttest_cli
+
+        return facttest_cli.run(args)
     import numpy as np
 
     from pallasite.eval.perplexity import perplexity
@@ -236,6 +241,9 @@ def main(argv=None):
             p.add_argument("--field", default="text", help="jsonl field holding the text")
             p.add_argument("--seq-len", type=int, default=512)
             p.add_argument("--max-windows", type=int, default=64)
+            from pallasite.eval.facttest import cli as facttest_cli
+
+            facttest_cli.add_arguments(p)
         p.set_defaults(fn=fn)
 
     args = parser.parse_args(argv)
