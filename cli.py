@@ -242,7 +242,8 @@ def _cmd_eval(args, overrides):
                 break
         result = perplexity(model.logits, np.asarray(ids), seq_len, max_windows=max_windows)
         protocol = "non-overlapping windows over the documents joined with eos, every next token scored"
-        where += f"; {result['windows']} windows of {seq_len} tokens"
+        where += (f"; the first {result['windows']} windows of {seq_len} tokens (files in path order; "
+                  f"`--data heldout` on a training workdir scores exactly the run's own eval set)")
     print(f"[eval] data: {where}; protocol: {protocol}", file=sys.stderr)
     print(json.dumps({"model": args.model, "data": data, "split": where, "seq_len": seq_len, **result}))
 

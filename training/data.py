@@ -1,33 +1,15 @@
 """Corpora, deterministic sequence packing and a resumable batch iterator.
 
-Sources (each yields ``Document(doc_id, text)`` in a fixed order):
-
-* ``stdlib`` — the local Python standard library's ``.py`` sources
-  (``sysconfig.get_paths()['stdlib']``), test suites, ``site-packages`` and ``idlelib`` excluded;
-  needs no download and exists on every machine with Python.
-* ``text`` — plain text files (paths or globs), one document per file.
-* ``jsonl`` — one JSON object per line, document text in a named field.
-
-Held-out split: a document belongs to eval iff ``crc32(doc_id) % 100 < heldout_percent`` — fixed
-per file (or per jsonl line), independent of the seed and of the other documents. ``max_bytes``
-keeps a deterministic subset (documents in ``crc32`` order until the byte budget is spent), so a
-small budget is still a spread over the whole library rather than its first letters.
-
-Packing (``PackedDataset``): each document is tokenized to ``ids + [eos]``; per epoch the
-documents are concatenated in a seeded order and the stream is cut into rows of ``T + 1``
-tokens with stride ``T`` (every token is a target exactly once). For a row ``r``:
-``tokens = r[:T]``, ``targets = r[1:]``, ``segment_ids`` number the documents inside the row
-(1, 2, ...; attention never crosses a segment), ``positions`` restart at 0 at each segment (a
-document continued from the previous row restarts at 0 too — RoPE only sees relative offsets
-within the row anyway), and ``loss_mask`` is 0 where the target belongs to the next document
-(after an eos we do not ask the model to guess an unrelated file's first token). Rows are then
-shuffled with the same seeded generator and grouped into batches of ``B``; an epoch's leftover
-rows are dropped. Everything is numpy; nothing depends on the device count.
-
-The iterator's ``state()`` is ``{"epoch", "batch", "seed", "fingerprint"}`` (JSON); restoring it
-rebuilds that epoch's permutation and yields exactly the batch the saved run would have seen
-next. The fingerprint (token count, documents, T, B, seed) makes restoring onto different data
-fail loudly instead of silently changing the data order.
+Sources yield ``Document(doc_id, text)`` in a fixed order: ``stdlib`` (the local Python stdlib's
+``.py`` files, tests and site-packages excluded; always there), ``text`` (files or globs, one
+document per file), ``jsonl`` (one record per line, text in ``data.field``). Held-out split: a
+document is eval iff ``crc32(doc_id) % 100 < heldout_percent``; ``max_bytes`` keeps a deterministic
+subset spread over the corpus. Packing: ``ids + [eos]`` per document, concatenated per epoch in a
+seeded order, cut into rows of ``T + 1`` tokens with stride ``T``; ``segment_ids`` keep attention
+inside a document, ``positions`` restart per document, ``loss_mask`` drops targets across a
+document boundary; rows are shuffled and grouped into batches of ``B``. ``BatchIterator.state()``
+(epoch, batch, seed, data fingerprint) restores exactly the next batch, and refuses other data.
+``heldout_batches`` is the fixed eval set the loop and ``pallasite eval`` share. docs/training.md.
 """
 
 from __future__ import annotations

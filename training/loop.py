@@ -1,28 +1,17 @@
 """The training loop: ``train(config, workdir) -> dict``.
 
     data -> tokenizer (trained or loaded) -> packed batches -> sharded state -> jitted steps
-         -> periodic eval / checkpoints / metrics -> final HF export + tokenizer -> greedy sample
+         -> periodic eval / checkpoints / metrics -> final HF export + tokenizer -> a sample
 
-Guarantees:
-
-* **Exact resume.** The latest committed checkpoint (train state + data-iterator position +
-  config) is restored automatically; the data order depends only on the seed and the step, so a
-  run killed at any point and restarted produces bit-identical losses to an uninterrupted run.
-  ``metrics.jsonl`` and ``tb/`` are cut back to the step the run starts from (0 when no checkpoint
-  exists), so every step is logged once. A resume refused for a changed config names the fields.
-* **Ctrl-C** finishes the current step, saves a checkpoint and raises ``TrainingInterrupted``
-  naming the step a re-run resumes from (a second Ctrl-C stops at once; the message then names the
-  last checkpoint). Re-running a finished workdir re-evaluates and re-samples without training.
-* **NaN/inf stop.** Losses and gradient norms are pulled to the host at every log / eval /
-  checkpoint boundary (not every step: that would serialise the device); the first non-finite
-  value raises ``FloatingPointError`` naming the step. A checkpoint is only ever written after
-  every step up to it has been checked, so the last checkpoint is always a good state.
-* Everything runs under ``jax.set_mesh(mesh)`` with the mesh of ``config.mesh`` and the rule
-  table of ``config.sharding_rules`` (MoE layers find the mesh there for ``shard_map``).
-
-Outputs in ``workdir``: ``checkpoints/`` (orbax), ``tokenizer/``, ``metrics.jsonl``, ``tb/``
-(TensorBoard events), ``hf/`` (final model in Hugging Face layout + tokenizer), ``config.json``,
-``result.json`` (strict JSON: a value that is unknown is ``null``).
+Guarantees: exact resume (the latest committed checkpoint holds the state, the data-iterator
+position and the config; a killed run re-run in the same workdir gives bit-identical losses, and
+``metrics.jsonl`` / ``tb/`` are cut back to the step it starts from, so every step is logged
+once); a resume with a changed seed/model/data/tokenizer is refused naming the fields; the first
+non-finite loss or gradient norm (checked on the host at each log/eval/checkpoint boundary)
+raises ``FloatingPointError`` and no checkpoint holds an unchecked step; Ctrl-C finishes the step,
+saves a checkpoint and raises ``TrainingInterrupted`` naming the step to resume from. Outputs in
+``workdir``: ``checkpoints/``, ``tokenizer/``, ``metrics.jsonl``, ``tb/``, ``hf/``,
+``config.json`` and ``result.json`` (strict JSON; unknown values are ``null``). docs/training.md.
 """
 
 from __future__ import annotations
