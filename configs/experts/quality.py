@@ -31,7 +31,7 @@ the dense model's activated parameters, to separate "gated vs non-gated FFN" fro
 
 from __future__ import annotations
 
-from pallasite.training.config import parse_arg, train_defaults
+from pallasite.training.config import ConfigError, parse_arg, train_defaults
 from pallasite.configs.experts.paper import _validated, ffn_fields
 
 KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4", "dense_glu", "moe10g", "moe34g")
@@ -61,9 +61,9 @@ def model_dict(kind: str, scale: str = "cpu") -> dict:
 def get_config(arg=None):
     a = parse_arg(arg, kind="mole4", scale="cpu", steps=0, seed=0, tokenizer="", runlocal=False)
     if a.kind not in KINDS:
-        raise ValueError(f"configs/experts/quality.py: kind={a.kind!r}; expected one of {KINDS}")
+        raise ConfigError(f"configs/experts/quality.py: kind={a.kind!r}; expected one of {KINDS}")
     if a.scale not in SCALES:
-        raise ValueError(f"configs/experts/quality.py: scale={a.scale!r}; expected one of {sorted(SCALES)}")
+        raise ConfigError(f"configs/experts/quality.py: scale={a.scale!r}; expected one of {sorted(SCALES)}")
     s = SCALES[a.scale]
     c = train_defaults()
     c.seed = int(a.seed)
@@ -84,7 +84,6 @@ def get_config(arg=None):
     c.train.eval_every = 0
     c.train.checkpoint_every = 0  # final checkpoint only
     c.train.keep_checkpoints = 1
-    c.train.progress = False
     c.train.export_hf = False
     c.train.sample_tokens = 0
     c.mesh.data = 1
