@@ -55,15 +55,16 @@ class Model:
             graphdef, state, ids, positions, segment_ids_BT=segments)[0])
 
     def logits(self, ids, *, positions=None, segment_ids=None) -> jax.Array:
-        """float32 logits [batch, seq, vocab] for token ids ([seq] or [batch, seq]; every row the same
-        length — pad ragged rows yourself: the logits at a row's real positions do not depend on
+        """float32 logits [batch, seq, vocab] for token ids ([seq] or [batch, seq]; every row the
+        same length — pad ragged rows yourself: the logits at a row's real positions do not depend on
         right padding). ``positions`` / ``segment_ids`` (same shape) describe packed rows: positions
         restart per document and attention stays inside a segment (default: 0..T-1, one segment)."""
         if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray)):
             lengths = sorted({len(row) for row in ids})
             if len(lengths) > 1:
-                raise InputError(f"Model.logits: the rows have different lengths {lengths[:6]}; give rows of one "
-                                 f"length (right-pad the shorter ones and ignore the logits past each row's end)")
+                raise InputError(f"Model.logits: the rows have different lengths {lengths[:6]}; give "
+                                 f"rows of one length (right-pad the shorter ones and ignore the "
+                                 f"logits past each row's end)")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise InputError(f"Model.logits expects integer token ids, got dtype {ids.dtype}")
@@ -188,8 +189,8 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
     workdir (latest checkpoint)."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(2, "does not exist (expected a model: an HF folder, a .gguf file, a "
-                                "pallasite orbax folder or a training workdir)", path)
+        raise FileNotFoundError(2, "does not exist (expected a model: an HF folder, a .gguf file, "
+                                   "a pallasite orbax folder or a training workdir)", path)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             from pallasite.models.gguf import import_gguf
@@ -214,7 +215,8 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
         raise PermissionError(13, "cannot read this folder (permission denied)", path)
     raise InputError(
         f"pallasite.load: cannot tell what {path!r} holds; expected a GGUF file, an HF folder with "
-        f"config.json + *.safetensors, a pallasite folder with {ORBAX_MARKER}, or a training workdir"
+        f"config.json + *.safetensors, a pallasite folder with {ORBAX_MARKER}, or a training "
+        f"workdir"
     )
 
 
@@ -223,7 +225,8 @@ def _check_gguf_file(path: str) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:4] != b"GGUF":
-        what = "is empty" if not head else f"does not start with the GGUF magic (starts with {head[:4]!r})"
+        what = ("is empty" if not head
+                else f"does not start with the GGUF magic (starts with {head[:4]!r})")
         raise DataError(f"{path}: {what}; expected a GGUF model file")
 
 
@@ -245,7 +248,8 @@ def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str
     for i, p in enumerate(prompts):
         ids = model.encode(p) if isinstance(p, str) else [int(t) for t in p]
         if isinstance(p, str) and not ids:
-            raise InputError(f"prompt {i} ({p!r}) is empty: it encodes to no tokens; give some text")
+            raise InputError(f"prompt {i} ({p!r}) is empty: it encodes to no tokens; give some "
+                             f"text")
         prompt_ids.append(ids)
     if gen.stop_tokens is None and not model.config.eos_token_id and model.tokenizer is not None \
             and model.tokenizer.eos_token_id is not None:

@@ -49,5 +49,13 @@ def describe(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
-__all__ = ["UserError", "ConfigError", "InputError", "DataError", "ResumeError", "TrainingInterrupted",
-           "is_user_error", "describe"]
+__all__ = [
+    "UserError",
+    "ConfigError",
+    "InputError",
+    "DataError",
+    "ResumeError",
+    "TrainingInterrupted",
+    "is_user_error",
+    "describe",
+]

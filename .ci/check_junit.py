@@ -31,7 +31,10 @@ def main(argv: list[str]) -> int:
         return 2
     skipped = skipped_tests(argv[0])
     if skipped:
-        print(f"CI: {len(skipped)} test(s) were skipped; CI must run every test it selects:", file=sys.stderr)
+        print(
+            f"CI: {len(skipped)} test(s) were skipped; CI must run every test it selects:",
+            file=sys.stderr,
+        )
         for line in skipped:
             print(f"  {line}", file=sys.stderr)
         return 1

@@ -47,8 +47,8 @@ def perplexity(logits_fn: Callable[[jax.Array], jax.Array], token_ids: np.ndarra
         raise InputError(f"perplexity expects a 1-D token stream, got shape {token_ids.shape}")
     n = len(token_ids) // seq_len
     if n == 0:
-        raise InputError(f"perplexity: the data gives {len(token_ids)} tokens, fewer than one window of "
-                         f"seq_len={seq_len}; give more text or a smaller --seq-len")
+        raise InputError(f"perplexity: the data gives {len(token_ids)} tokens, fewer than one "
+                         f"window of seq_len={seq_len}; give more text or a smaller --seq-len")
     if max_windows is not None:
         n = min(n, max_windows)
     windows = token_ids[: n * seq_len].reshape(n, seq_len)
@@ -57,7 +57,8 @@ def perplexity(logits_fn: Callable[[jax.Array], jax.Array], token_ids: np.ndarra
     return {"nll": mean, "ppl": float(np.exp(mean)), "tokens": count, "windows": n}
 
 
-def packed_nll(logits_fn: Callable[..., jax.Array], batches: Sequence[dict], progress: bool = True) -> dict:
+def packed_nll(logits_fn: Callable[..., jax.Array], batches: Sequence[dict],
+               progress: bool = True) -> dict:
     """Masked next-token NLL over packed batches (``tokens``, ``targets``, ``positions``,
     ``segment_ids``, ``loss_mask``); ``logits_fn(tokens, positions=, segment_ids=)`` is e.g.
     ``pallasite.Model.logits``. Returns {'nll', 'ppl', 'tokens', 'windows'}."""
@@ -71,7 +72,8 @@ def packed_nll(logits_fn: Callable[..., jax.Array], batches: Sequence[dict], pro
     total, count, windows = 0.0, 0.0, 0
     for b in tqdm(batches, desc="eval", disable=not progress, leave=False):
         logits = logits_fn(b["tokens"], positions=b["positions"], segment_ids=b["segment_ids"])
-        t, n = nll(logits, jnp.asarray(b["targets"], jnp.int32), jnp.asarray(b["loss_mask"], jnp.float32))
+        t, n = nll(logits, jnp.asarray(b["targets"], jnp.int32),
+                   jnp.asarray(b["loss_mask"], jnp.float32))
         total, count, windows = total + float(t), count + float(n), windows + len(b["tokens"])
     if count == 0:
         raise ValueError("packed_nll: the batches hold no scored token")

@@ -214,12 +214,13 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, pad_id
     need = longest + int(max_new_tokens)
     if max_seq_len is not None:
         if longest > max_seq_len:
-            raise InputError(f"prompt {i} has {longest} tokens, longer than the model's context of {max_seq_len} "
-                             f"tokens (ModelConfig.max_seq_len); shorten it to at most {max_seq_len - 1}")
+            raise InputError(f"prompt {i} has {longest} tokens, longer than the model's context "
+                             f"of {max_seq_len} tokens (ModelConfig.max_seq_len); shorten it to "
+                             f"at most {max_seq_len - 1}")
         if need > max_seq_len:
             raise InputError(
-                f"prompt {i} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the model's "
-                f"context of {max_seq_len} tokens (ModelConfig.max_seq_len); ask for at most "
+                f"prompt {i} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                f"exceeds the model's context of {max_seq_len} tokens (ModelConfig.max_seq_len); ask for at most "
                 f"{max_seq_len - longest} new tokens or shorten the prompt")
     if cache_len is None:
         cache_len = round_up(need, CACHE_BUCKET)
@@ -259,10 +260,11 @@ def run_decode(graphdef, state, cfg, prompts, gen: GenerationConfig, *, strategy
     pad_id = gen.pad_id if gen.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     pad_id = int(pad_id)
     max_new_tokens = gen.max_new_tokens
-    factory = cache_factory or make_cache_factory(cfg, gen, model)  # validates the cache options first
+    # the cache options are validated before the prompts (a bad option is named first)
+    factory = cache_factory or make_cache_factory(cfg, gen, model)
     tokens_BT, lengths_B, cache_len = prepare_prompts(
-        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens, cache_len=gen.cache_len,
-        max_seq_len=cfg.max_seq_len)
+        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        cache_len=gen.cache_len, max_seq_len=cfg.max_seq_len)
     cache = factory(cfg, tokens_BT.shape[0], cache_len)
     stops = _stop_array(cfg.eos_token_id if gen.stop_tokens is None else gen.stop_tokens)
     s = prefill(graphdef, state, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), key, stops,

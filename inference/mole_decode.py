@@ -34,10 +34,12 @@ def with_lut_rows(model, rows_BTLND: jax.Array):
     cfg = model.cfg
     m = mole_config_of(cfg)
     if m.mode != "lut":
-        raise ValueError("with_lut_rows: the model is not in LUT mode (mole.mode='lut'); use models.mole_lut.to_lut_model")
+        raise ValueError("with_lut_rows: the model is not in LUT mode (mole.mode='lut'); "
+                         "use models.mole_lut.to_lut_model")
     want = (cfg.n_layers, m.n_experts, cfg.d_model)
     if rows_BTLND.ndim != 5 or tuple(rows_BTLND.shape[2:]) != want:
-        raise ValueError(f"with_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
+        raise ValueError(f"with_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, "
+                         f"expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
     graphdef, rows_state, rest = nnx.split(model, LUTRows, ...)
     new = []
     for path, var in nnx.to_flat_state(rows_state):

@@ -114,12 +114,13 @@ class SamplingParams:
             try:
                 arr = np.asarray(default if value is None else value, dtype)
             except (TypeError, ValueError):
-                raise InputError(f"{name} must be {expected} (a scalar or one per prompt); got {value!r}") from None
+                raise InputError(f"{name} must be {expected} (a scalar or one per prompt); "
+                                 f"got {value!r}") from None
             if arr.ndim == 0:
                 arr = np.broadcast_to(arr, (batch,))
             if arr.shape != (batch,):
-                raise InputError(f"{name} must be a scalar or a list of {batch} values (one per prompt); "
-                                 f"got shape {arr.shape}")
+                raise InputError(f"{name} must be a scalar or a list of {batch} values (one per "
+                                 f"prompt); got shape {arr.shape}")
             bad = [v for v in arr.tolist() if not valid(v)]
             if bad:
                 raise InputError(f"{name} must be {expected}; got {bad[:4]}")

@@ -130,33 +130,35 @@ def check_safetensors_file(file_path: str) -> None:
     size = os.path.getsize(file_path)
     fix = "re-download or re-export it"
     if size == 0:
-        raise DataError(f"{file_path}: the file is empty (0 bytes); expected a safetensors file; {fix}")
+        raise DataError(f"{file_path}: the file is empty (0 bytes); expected a safetensors file; "
+                        f"{fix}")
     with open(file_path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise DataError(f"{file_path}: truncated: {size} bytes, fewer than the 8-byte header length of a "
-                            f"safetensors file; {fix}")
+            raise DataError(f"{file_path}: truncated: {size} bytes, fewer than the 8-byte header "
+                            f"length of a safetensors file; {fix}")
         n = int.from_bytes(head, "little")
         first = f.read(1)
         if n > _MAX_HEADER_BYTES or first != b"{":
-            raise DataError(f"{file_path}: not a safetensors file (it does not start with an 8-byte header length "
-                            f"and a JSON header; first bytes {head + first!r})")
+            raise DataError(f"{file_path}: not a safetensors file (it does not start with an 8-byte "
+                            f"header length and a JSON header; first bytes {head + first!r})")
         f.seek(8)
         if n > size - 8:
-            raise DataError(f"{file_path}: truncated: the header needs {n:,} bytes after the first 8, the file has "
-                            f"{size - 8:,}; {fix}")
+            raise DataError(f"{file_path}: truncated: the header needs {n:,} bytes after the first "
+                            f"8, the file has {size - 8:,}; {fix}")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DataError(f"{file_path}: not a safetensors file (its header is not JSON)") from None
+            raise DataError(f"{file_path}: not a safetensors file (its header is not JSON)") \
+                from None
     if not isinstance(header, dict):
         raise DataError(f"{file_path}: not a safetensors file (its header is not a JSON object)")
     ends = [int(v["data_offsets"][1]) for k, v in header.items()
             if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
     need = 8 + n + max(ends, default=0)
     if need > size:
-        raise DataError(f"{file_path}: truncated: its {len(ends)} tensors need {need:,} bytes, the file has "
-                        f"{size:,}; {fix}")
+        raise DataError(f"{file_path}: truncated: its {len(ends)} tensors need {need:,} bytes, "
+                        f"the file has {size:,}; {fix}")
 
 
 class _Reader:
@@ -175,8 +177,8 @@ class _Reader:
                     weight_map = json.load(f)["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise DataError(f"{index}: not a safetensors index (expected JSON with a 'weight_map' of "
-                                f"tensor name -> shard file)") from None
+                raise DataError(f"{index}: not a safetensors index (expected JSON with a "
+                                f"'weight_map' of tensor name -> shard file)") from None
             missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
             if missing:
                 raise DataError(f"{index} names shard(s) that are not in {path}: {missing[:4]}")
@@ -243,7 +245,8 @@ def read_hf_config(path: str) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{file_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise DataError(f"{file_path}: expected a JSON object of model settings, got {type(config).__name__}")
+        raise DataError(f"{file_path}: expected a JSON object of model settings, "
+                        f"got {type(config).__name__}")
     return config
 
 

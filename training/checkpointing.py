@@ -47,7 +47,8 @@ class Checkpointer:
 
     def saved_config(self, step: int) -> dict:
         """The experiment config saved with ``step`` (read alone: no state, no shapes to match)."""
-        out = self.manager.restore(int(step), args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        out = self.manager.restore(int(step), args=args)
         return dict(out["config"])
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:

@@ -115,8 +115,9 @@ def jsonl_documents(paths: Sequence[str], field: str = "text") -> list[Document]
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
                 if not isinstance(record, dict) or field not in record:
                     fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{path}:{lineno}: jsonl record has no field {field!r} (the text field; "
-                                    f"set it with data.field / --field); fields: {fields}")
+                    raise DataError(f"{path}:{lineno}: jsonl record has no field {field!r} "
+                                    f"(the text field; set it with data.field / --field); "
+                                    f"fields: {fields}")
                 docs.append(Document(f"{path}:{lineno}", str(record[field])))
     return docs
 
@@ -264,10 +265,10 @@ class BatchIterator(Iterator[dict]):
         self.epoch, self.index = int(state["epoch"]), int(state["batch"])
 
 
-def heldout_batches(data_cfg, tokenizer, eval_docs: Sequence[Document]) -> list[dict[str, np.ndarray]]:
+def heldout_batches(data_cfg, tokenizer, eval_docs: Sequence[Document]) -> list[dict]:
     """The fixed evaluation set of a run: the held-out documents tokenized with ``eos``, packed in
     source order (no shuffling) into ``data.seq_len`` rows, the first ``data.eval_batches`` batches
-    of ``data.batch_size`` rows. The training loop and ``pallasite eval --data heldout`` both use it."""
+    of ``data.batch_size`` rows. The training loop and ``pallasite eval --data heldout`` use it."""
     eos = int(tokenizer.eos_token_id)
     ds = PackedDataset(tokenize_documents(tokenizer, eval_docs, eos), seq_len=data_cfg.seq_len,
                        batch_size=data_cfg.batch_size, seed=0, shuffle=False)
@@ -280,13 +281,14 @@ def describe_heldout(data_cfg, eval_docs: Sequence[Document], batches: Sequence[
         split = f"the eval_paths files ({len(eval_docs)} documents)"
     else:
         unit = "files" if data_cfg.source in ("stdlib", "text") else "lines"
-        split = (f"the {data_cfg.source} held-out split ({data_cfg.heldout_percent}% of {unit} by crc32 of the "
-                 f"path: {len(eval_docs)} documents")
+        split = (f"the {data_cfg.source} held-out split ({data_cfg.heldout_percent}% of {unit} by "
+                 f"crc32 of the path: {len(eval_docs)} documents")
         split += f", {data_cfg.max_eval_bytes:,}-byte budget)" if data_cfg.max_eval_bytes else ")"
     n_rows = sum(len(b["tokens"]) for b in batches)
     scored = int(sum(float(b["loss_mask"].sum()) for b in batches))
-    return (f"{split}; {n_rows} packed windows of {data_cfg.seq_len} tokens ({len(batches)} batches of "
-            f"{data_cfg.batch_size}), {scored:,} scored tokens (targets across a document boundary not scored)")
+    return (f"{split}; {n_rows} packed windows of {data_cfg.seq_len} tokens ({len(batches)} "
+            f"batches of {data_cfg.batch_size}), {scored:,} scored tokens (targets across a "
+            f"document boundary not scored)")
 
 
 def unigram_entropy(batches: Iterable[dict]) -> float:
@@ -305,8 +307,8 @@ def unigram_entropy(batches: Iterable[dict]) -> float:
 
 
 __all__ = ["Document", "stdlib_documents", "stdlib_texts", "text_documents", "jsonl_documents", "load_documents",
-           "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy", "heldout_batches",
-           "describe_heldout"]
+           "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy",
+           "heldout_batches", "describe_heldout"]
 
 
 def stdlib_texts(split: str = "all", heldout_percent: float = 5, max_bytes: int = 0) -> list[str]:

@@ -82,7 +82,10 @@ def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
 def model_config_for(config: ConfigDict, tokenizer):
     """ModelConfig from ``config.model`` with vocab (0 = tokenizer size rounded up to 64) and
     special-token ids filled from the tokenizer (``tokenizer=None``: only validate the fields)."""
-    n_tok = len(tokenizer) if tokenizer is not None else 64 * max(1, int(config.tokenizer.vocab_size) // 64)
+    if tokenizer is not None:
+        n_tok = len(tokenizer)
+    else:  # validation only: any vocab of the configured size's order
+        n_tok = 64 * max(1, int(config.tokenizer.vocab_size) // 64)
     vocab = int(config.model.vocab_size) or round_up(n_tok, 64)
     try:
         cfg = model_config_from(config.model, vocab_size=vocab)
@@ -93,7 +96,8 @@ def model_config_for(config: ConfigDict, tokenizer):
     if tokenizer is None:
         return cfg
     if cfg.vocab_size < n_tok:
-        raise ConfigError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
+        raise ConfigError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the "
+                          f"tokenizer's {n_tok} tokens")
     fill = {}
     if cfg.bos_token_id is None and tokenizer.bos_token_id is not None:
         fill["bos_token_id"] = int(tokenizer.bos_token_id)
@@ -127,7 +131,8 @@ def _check_resume_config(saved: dict, current: dict, workdir: str) -> None:
              for d in config_diff({key: saved.get(key)}, {key: current.get(key)})]
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; … ({len(diffs)} in all)" if len(diffs) > 8 else "")
-        raise ResumeError(f"{workdir} holds a checkpoint of a run with a different config ({shown}); "
+        raise ResumeError(f"{workdir} holds a checkpoint of a run with a different config "
+                          f"({shown}); "
                           f"resuming would mix two experiments: use a fresh --workdir to change "
                           f"{', '.join('config.' + k for k in RESUME_SECTIONS)}")
 
@@ -141,28 +146,31 @@ def evaluate(eval_fn, state: dict, batches, batch_shardings) -> dict:
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
 
 
-def sample(cfg, graphdef, state: dict, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.0,
-           top_p: float = 1.0, seed: int = 0) -> str:
+def sample(cfg, graphdef, state: dict, tokenizer, prompt: str, max_new_tokens: int, *,
+           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
     """Completion of ``prompt`` with the inference engine (greedy at ``temperature=0``)."""
     model = nnx.merge(graphdef, state["params"], state["other"])
     g, s = nnx.split(model)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     stop = () if cfg.eos_token_id is None else tuple(cfg.eos_token_id)
-    out = generate_ids(g, s, cfg, [ids], max_new_tokens=max_new_tokens, stop_tokens=stop, temperature=temperature,
-                       top_p=top_p if temperature > 0 and top_p < 1 else None, seed=seed)[0]
+    nucleus = top_p if temperature > 0 and top_p < 1 else None
+    out = generate_ids(g, s, cfg, [ids], max_new_tokens=max_new_tokens, stop_tokens=stop,
+                       temperature=temperature, top_p=nucleus, seed=seed)[0]
     return prompt + tokenizer.decode([t for t in out if t not in stop])
 
 
 def explain_eval(eval_loss: float, unigram: float) -> str:
     """The eval loss next to the unigram baseline, in words a newcomer can read."""
     ppl, base = math.exp(min(eval_loss, 50.0)), math.exp(min(unigram, 50.0))
-    if eval_loss < unigram:
-        verdict = f"this model is {unigram - eval_loss:.2f} nats/token better: it has learned to use the context"
-    else:
-        verdict = f"this model is {eval_loss - unigram:.2f} nats/token worse: it has not learned to use the context yet"
-    return (f"held-out loss {eval_loss:.3f} nats/token (perplexity {ppl:.0f}: as unsure as a blind pick among "
-            f"{ppl:.0f} tokens). A model that ignores the context and only knows how often each token occurs "
-            f"scores {unigram:.3f} (perplexity {base:.0f}). Lower is better; {verdict}.")
+    gap = abs(unigram - eval_loss)
+    verdict = (f"this model is {gap:.2f} nats/token better: it has learned to use the context"
+               if eval_loss < unigram else
+               f"this model is {gap:.2f} nats/token worse: it has not learned to use the context "
+               f"yet")
+    return (f"held-out loss {eval_loss:.3f} nats/token (perplexity {ppl:.0f}: as unsure as a blind "
+            f"pick among {ppl:.0f} tokens). A model that ignores the context and only knows how "
+            f"often each token occurs scores {unigram:.3f} (perplexity {base:.0f}). Lower is "
+            f"better; {verdict}.")
 
 
 class _StopOnInterrupt:
@@ -228,7 +236,8 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     train_docs, eval_docs = data_lib.load_documents(config.data)
     tokenizer = prepare_tokenizer(config, workdir, train_docs)
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; packing needs one")
+        raise ConfigError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; "
+                          f"packing needs one")
     eos = int(tokenizer.eos_token_id)
     train_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, train_docs, eos),
                                       seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed)
@@ -250,7 +259,8 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     latest = ckpt.latest_step()
     data_state = None
     if latest is not None:
-        _check_resume_config(ckpt.saved_config(latest), config_json, workdir)  # before shapes can clash
+        # the config first: a changed model would otherwise fail later as a shape mismatch
+        _check_resume_config(ckpt.saved_config(latest), config_json, workdir)
         graphdef, abstract, shardings = step_lib.abstract_train_state(cfg, optimizer, mesh, rules, config.seed)
         state, data_state, _ = ckpt.restore(latest, abstract)
         _log(f"resumed from checkpoint step {latest} in {ckpt.directory}")
@@ -343,8 +353,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
                     ckpt.save(done, state, it.state(), config_json)
                     last_saved = done
                 if interrupt.requested and done < total:
-                    raise TrainingInterrupted(f"stopped by Ctrl-C after step {done} of {total}; saved a checkpoint: "
-                                              f"re-run the same command to resume from step {done}")
+                    raise TrainingInterrupted(
+                        f"stopped by Ctrl-C after step {done} of {total}; saved a checkpoint: "
+                        f"re-run the same command to resume from step {done}")
             flush(total)
             if start >= total and not last_eval:
                 last_eval = evaluate(eval_fn, state, eval_batches, batch_sh)
@@ -353,9 +364,10 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
             raise
         ckpt.wait()
         good = ckpt.latest_step()
-        resume = f"resume from step {good} (the last checkpoint)" if good is not None else "start from step 0"
-        raise TrainingInterrupted(f"stopped by Ctrl-C before step {total}; re-running the same command will "
-                                  f"{resume}") from None
+        resume = (f"resume from step {good} (the last checkpoint)" if good is not None
+                  else "start from step 0")
+        raise TrainingInterrupted(f"stopped by Ctrl-C before step {total}; re-running the same "
+                                  f"command will {resume}") from None
     finally:
         if bar is not None:
             bar.close()
@@ -376,21 +388,25 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     if tc.sample_tokens > 0:
         with jax.set_mesh(mesh):
             text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens,
-                          temperature=float(tc.sample_temperature), top_p=float(tc.sample_top_p), seed=config.seed)
-        how = (f"temperature {tc.sample_temperature}, top-p {tc.sample_top_p}" if tc.sample_temperature > 0
-               else "greedy")
+                          temperature=float(tc.sample_temperature), top_p=float(tc.sample_top_p),
+                          seed=config.seed)
+        how = (f"temperature {tc.sample_temperature}, top-p {tc.sample_top_p}"
+               if tc.sample_temperature > 0 else "greedy")
         _log(f"sample ({how}):\n{text}")
     writer.close()
     if last_eval:
         _log(explain_eval(last_eval["loss"], unigram))
     steps_run = total - start
     previous = _read_json(os.path.join(workdir, "result.json")) or {}
-    if not last_train:  # nothing trained in this call (a finished workdir): the log has the last step
-        last_train = next((r for r in reversed(read_jsonl(workdir, "train")) if r["step"] == total), {})
+    if not last_train:  # nothing trained in this call (a finished workdir): the log has the step
+        logged = read_jsonl(workdir, "train")
+        last_train = next((r for r in reversed(logged) if r["step"] == total), {})
+    # a finished run's throughput is kept, not zeroed, when this call trained nothing
     tokens_per_s = (steps_run * tokens_per_step / max(train_wall, 1e-9) if steps_run > 0
-                    else previous.get("tokens_per_s"))  # a finished run's figure is kept, not zeroed
+                    else previous.get("tokens_per_s"))
     result = {
-        "final_step": total, "resumed_from": int(latest or 0), "steps_run": steps_run, "last_checkpoint": last_saved,
+        "final_step": total, "resumed_from": int(latest or 0), "steps_run": steps_run,
+        "last_checkpoint": last_saved,
         "train_loss": last_train.get("loss"), "eval_loss": last_eval.get("loss"),
         "eval_perplexity": last_eval.get("perplexity"), "unigram_entropy": unigram,
         "num_params": n_params, "tokens_per_s": tokens_per_s,
@@ -402,4 +418,5 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     return result
 
 
-__all__ = ["train", "evaluate", "sample", "prepare_tokenizer", "model_config_for", "config_diff", "explain_eval"]
+__all__ = ["train", "evaluate", "sample", "prepare_tokenizer", "model_config_for", "config_diff",
+           "explain_eval"]

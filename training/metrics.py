@@ -38,7 +38,7 @@ def _summary_writer_class():
 
 
 class MetricsWriter:
-    """Appends records to ``metrics.jsonl`` and TensorBoard; opened at ``start_step`` (see module)."""
+    """Appends records to ``metrics.jsonl`` and TensorBoard; opened at ``start_step`` (module)."""
 
     def __init__(self, workdir: str, *, start_step: int = 0, tensorboard: bool = True):
         os.makedirs(workdir, exist_ok=True)

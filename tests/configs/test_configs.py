@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from pallasite.configs import models
 from pallasite.models.config import model_config_from
 from pallasite.training.config import ConfigError, load_config, parse_arg, train_defaults
-from pallasite.configs import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")

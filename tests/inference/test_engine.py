@@ -18,7 +18,7 @@ from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
 
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rope_theta=500.0)
-PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 7, 7, 31, 80], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 7, 7, 31, 80], list(range(11, 28))]
 N_NEW = 12
 
 

@@ -14,7 +14,9 @@ from pallasite.models.config import ModelConfig
 from pallasite.models.hf import export_hf, import_hf
 from pallasite.models.transformer import init_model
 
-CFG = ModelConfig(family="llama", vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
+CFG = ModelConfig(
+    family="llama", vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +35,33 @@ def _copy(folders, which, tmp_path):
 
 
 def test_intact_folders_load(folders):
-    a = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(import_hf(str(folders / "single"))[1])}
-    b = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(import_hf(str(folders / "sharded"))[1])}
+    a = {
+        tuple(p): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(import_hf(str(folders / "single"))[1])
+    }
+    b = {
+        tuple(p): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(import_hf(str(folders / "sharded"))[1])
+    }
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert len(list((folders / "sharded").glob("model-*.safetensors"))) > 1
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda b: b"", "the file is empty (0 bytes)"),
-    (lambda b: b[:5], "truncated: 5 bytes"),
-    (lambda b: b[:40], "truncated: the header needs"),
-    (lambda b: b[:-64], "truncated: its"),
-    (lambda b: b"PK\x03\x04 this is a zip file, not safetensors " * 4, "not a safetensors file"),
-    (lambda b: b[:8] + b"[" + b[9:], "not a safetensors file"),
-    (lambda b: b[:8] + b"{" + b"\xff" * (len(b) - 9), "its header is not JSON"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda b: b"", "the file is empty (0 bytes)"),
+        (lambda b: b[:5], "truncated: 5 bytes"),
+        (lambda b: b[:40], "truncated: the header needs"),
+        (lambda b: b[:-64], "truncated: its"),
+        (
+            lambda b: b"PK\x03\x04 this is a zip file, not safetensors " * 4,
+            "not a safetensors file",
+        ),
+        (lambda b: b[:8] + b"[" + b[9:], "not a safetensors file"),
+        (lambda b: b[:8] + b"{" + b"\xff" * (len(b) - 9), "its header is not JSON"),
+    ],
+)
 def test_damaged_single_file_names_it(folders, tmp_path, damage, needle):
     folder = _copy(folders, "single", tmp_path)
     path = folder / "model.safetensors"

@@ -168,7 +168,8 @@ def test_resume_with_changed_config_names_the_fields_and_keeps_the_workdir(refer
     shutil.copytree(ref_dir, workdir)
     saved = (workdir / "config.json").read_text()
     with pytest.raises(ResumeError) as e:
-        train(_config("--config.seed=1", "--config.model.d_model=48", "--config.train.steps=13"), str(workdir))
+        train(_config("--config.seed=1", "--config.model.d_model=48", "--config.train.steps=13"),
+              str(workdir))
     msg = str(e.value)
     assert "config.seed: saved 0, now 1" in msg and "config.model.d_model: saved 32, now 48" in msg
     assert "n_heads" not in msg and "'family'" not in msg  # the differing fields, not both dicts
@@ -225,12 +226,12 @@ def test_ctrl_c_saves_a_checkpoint_and_resumes_exactly(reference_run, tmp_path):
     overrides = ["--config.train.export_hf=false", "--config.train.sample_tokens=0"]
 
     def ctrl_c(step, state):
-        if step == 4:  # the signal arrives while step 5 is about to run: it finishes, then the run stops
+        if step == 4:  # arrives as step 5 is about to run: step 5 finishes, then the run stops
             os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(TrainingInterrupted, match="resume from step 5"):
         train(_config(*overrides), str(workdir), step_hook=ctrl_c)
-    assert 5 in Checkpointer(str(workdir / "checkpoints")).all_steps()  # 5 is no regular checkpoint step
+    assert 5 in Checkpointer(str(workdir / "checkpoints")).all_steps()  # no regular checkpoint
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was restored
     result = train(_config(*overrides), str(workdir))
     assert result["resumed_from"] == 5
@@ -245,7 +246,8 @@ def test_rerunning_a_finished_workdir_keeps_its_figures_and_strict_json(referenc
     shutil.copytree(ref_dir, workdir)
     result = train(_config(), str(workdir))
     assert result["steps_run"] == 0 and result["resumed_from"] == 12
-    assert result["train_loss"] == ref["train_loss"] and result["tokens_per_s"] == ref["tokens_per_s"]
+    assert result["train_loss"] == ref["train_loss"]
+    assert result["tokens_per_s"] == ref["tokens_per_s"]
     assert result["eval_loss"] == ref["eval_loss"]
 
     def refuse(name):
