@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from pallasite.errors import InputError
 from pallasite.registry import CONSTRAINT
 
 
-class ConstraintError(ValueError):
-    """A constraint that does not compile, or bad constraint input (the message names it)."""
+class ConstraintError(InputError):
+    """A constraint that does not compile, or bad constraint input (the message names it); a
+    ``ValueError`` and one of the user errors ``pallasite`` (the CLI) reports in one line."""
 
 
 def _lark(source: Any) -> str:

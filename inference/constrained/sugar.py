@@ -78,7 +78,7 @@ def add_cli_arguments(parser) -> None:
 
 def _read(path: str, flag: str) -> str:
     if not os.path.isfile(path):
-        raise SystemExit(f"pallasite generate: {flag} {path!r} is not a file")
+        raise ConstraintError(f"pallasite generate: {flag} {path!r} is not a file")
     with open(path) as f:
         return f.read()
 
@@ -89,7 +89,7 @@ def cli_options(args) -> dict:
     regex = getattr(args, "regex", None)
     given = [f for f, v in (("--grammar", grammar), ("--json-schema", schema), ("--regex", regex)) if v]
     if len(given) > 1:
-        raise SystemExit(f"pallasite generate: pass one of --grammar, --json-schema, --regex; got {given}")
+        raise ConstraintError(f"pallasite generate: pass one of --grammar, --json-schema, --regex; got {given}")
     if regex:
         return {"constraint": Constraint("regex", regex, name="--regex")}
     if grammar:
@@ -100,7 +100,7 @@ def cli_options(args) -> dict:
         try:
             json.loads(text)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"pallasite generate: --json-schema {schema!r} is not JSON: {e}")
+            raise ConstraintError(f"pallasite generate: --json-schema {schema!r} is not JSON: {e}") from None
         return {"constraint": Constraint("json_schema", text, name=os.path.basename(schema))}
     return {}
 

@@ -252,7 +252,7 @@ def test_pallasite_generate_sugar_binds_the_model_tokenizer():
             json.dump({"type": "integer"}, f)
         assert cli_options(a)["constraint"].kind == "json_schema"
         a.regex = "[ab]+"
-        with pytest.raises(SystemExit, match="pass one of --grammar, --json-schema, --regex"):
+        with pytest.raises(ConstraintError, match="pass one of --grammar, --json-schema, --regex"):
             cli_options(a)
         a.json_schema = None
         assert cli_options(a)["constraint"].kind == "regex"
