@@ -298,3 +298,47 @@ def test_draft_masks_are_the_masks_after_each_draft_prefix():
         assert (got[0, k] == want).all()
     assert (got[1, 2:] == 0).all()  # ")" after "<<" is invalid: nothing after it
     assert sess.rows[0].consumed == 0  # the session itself did not move
+
+
+def test_pallasite_generate_cli_flags_end_to_end(tmp_path, capsys):
+    """``pallasite generate --json-schema FILE`` on a saved model: the printed completion is JSON
+    valid under the schema (or, cut by --max-new-tokens, a prefix of it); a grammar that does not
+    compile is one error line naming the file and quoting llguidance (exit 1, no traceback)."""
+    from flax import nnx
+
+    import pallasite
+    from pallasite import cli
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.tokenizer import train_bpe
+    from pallasite.models.transformer import init_model
+
+    corpus = [json.dumps({"n": i}) for i in range(200)]
+    tok = train_bpe(corpus, 280)
+    cfg = ModelConfig(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
+                      max_seq_len=64, eos_token_id=(tok.eos_token_id,))
+    g, st = nnx.split(init_model(cfg, seed=0))
+    pallasite.Model(cfg, st, tok, g).save(str(tmp_path / "hf"), format="hf")
+    schema = tmp_path / "n.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                                  "required": ["n"], "additionalProperties": False}))
+    cli.main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "x:", "--json-schema",
+              str(schema), "--max-new-tokens", "24", "--temperature", "0.7"])
+    captured = capsys.readouterr()
+    assert captured.out.startswith("x:")
+    text = captured.out[len("x:"):].strip()
+    try:
+        assert set(json.loads(text)) == {"n"} and isinstance(json.loads(text)["n"], int), text
+    except json.JSONDecodeError:  # only an output cut by --max-new-tokens may be unfinished
+        import re
+
+        assert re.search(r"\[generate\] 24 tokens", captured.err), (text, captured.err)
+        assert text.startswith("{"), text
+    bad = tmp_path / "bad.lark"
+    bad.write_text('start: "<<" expr ">>"\n')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "x", "--grammar", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]
+    assert len(lines) == 1 and "'bad.lark' does not compile (llguidance)" in lines[0], err
+    assert "unknown name" in lines[0], err
