@@ -34,6 +34,7 @@ def _log(*a):
 
 # ----------------------------------------------------------------------------- tasks
 
+
 def gsm_task():
     from pallasite.eval.tasks import gsm_symbolic as T
 
@@ -43,9 +44,16 @@ def gsm_task():
 
     from pallasite.eval.tasks.traces import GSM_NAMES
 
-    return dict(name="gsm", prompt=T.prompt, grammar=lambda p: T.answer_grammar(p.variables), start=T.START,
-                end=T.END, score=score, make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES),
-                modes=("unconstrained", "constrained", "cot", "crane"))
+    return dict(
+        name="gsm",
+        prompt=T.prompt,
+        grammar=lambda p: T.answer_grammar(p.variables),
+        start=T.START,
+        end=T.END,
+        score=score,
+        make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES),
+        modes=("unconstrained", "constrained", "cot", "crane"),
+    )
 
 
 def folio_task():
@@ -57,18 +65,41 @@ def folio_task():
         label = F.evaluate(program)
         return label == p.label, label is not None
 
-    return dict(name="folio", prompt=lambda p, cot: F.prompt(p), grammar=lambda p: F.program_grammar(),
-                start=F.START, end=None, score=score, make=F.make_problems, modes=("constrained", "cot", "crane"))
+    return dict(
+        name="folio",
+        prompt=lambda p, cot: F.prompt(p),
+        grammar=lambda p: F.program_grammar(),
+        start=F.START,
+        end=None,
+        score=score,
+        make=F.make_problems,
+        modes=("constrained", "cot", "crane"),
+    )
 
 
 def ensure_model(task: str, models_dir: str, steps: int = 0) -> str:
     """The workdir of the task model, trained with configs/crane/<task>.py when missing."""
     workdir = os.path.join(models_dir, task)
-    if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(os.path.join(workdir, "checkpoints")):
+    if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(
+        os.path.join(workdir, "checkpoints")
+    ):
         return workdir
-    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "crane", f"{task}.py")
-    cmd = [sys.executable, "-m", "pallasite.cli", "train", "--config", cfg + (f":steps={steps}" if steps else ""),
-           "--workdir", workdir]
+    cfg = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "configs",
+        "crane",
+        f"{task}.py",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pallasite.cli",
+        "train",
+        "--config",
+        cfg + (f":steps={steps}" if steps else ""),
+        "--workdir",
+        workdir,
+    ]
     _log(f"[crane] training the {task} model: {' '.join(cmd)}")
     t0 = time.time()
     subprocess.run(cmd, check=True)
@@ -76,32 +107,61 @@ def ensure_model(task: str, models_dir: str, steps: int = 0) -> str:
     return workdir
 
 
-def run_task(task: dict, model, n: int, *, seed: int, max_new_tokens: int, batch_size: int, opportunistic=True):
+def run_task(
+    task: dict,
+    model,
+    n: int,
+    *,
+    seed: int,
+    max_new_tokens: int,
+    batch_size: int,
+    opportunistic=True,
+):
     from pallasite.eval.tasks.traces import EVAL_SEED
     from pallasite.inference.constrained.crane import generate_modes
 
     problems = task["make"](n, EVAL_SEED + seed)
-    res = generate_modes(model, problems, prompt_fn=task["prompt"], grammar_fn=task["grammar"],
-                         start=task["start"], end=task["end"], modes=task["modes"], max_new_tokens=max_new_tokens,
-                         batch_size=batch_size, opportunistic=opportunistic)
+    res = generate_modes(
+        model,
+        problems,
+        prompt_fn=task["prompt"],
+        grammar_fn=task["grammar"],
+        start=task["start"],
+        end=task["end"],
+        modes=task["modes"],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        opportunistic=opportunistic,
+    )
     rows = {}
     for mode, r in res.items():
         scored = [task["score"](t, p) for t, p in zip(r.texts, problems)]
-        rows[mode] = dict(acc=float(np.mean([c for c, _ in scored])), parse=float(np.mean([ok for _, ok in scored])),
-                          seconds=r.seconds, steps=r.steps, stats=r.stats, errors=r.row_errors,
-                          example=r.texts[0])
+        rows[mode] = dict(
+            acc=float(np.mean([c for c, _ in scored])),
+            parse=float(np.mean([ok for _, ok in scored])),
+            seconds=r.seconds,
+            steps=r.steps,
+            stats=r.stats,
+            errors=r.row_errors,
+            example=r.texts[0],
+        )
     return rows
 
 
 def print_table(name, rows):
-    print(f"\n{name}: mode | accuracy | parse rate | wall s | host mask ms/step | invalid proposals")
+    print(
+        f"\n{name}: mode | accuracy | parse rate | wall s | host mask ms/step | invalid proposals"
+    )
     for mode, r in rows.items():
         st = r["stats"] or {}
-        print(f"  {mode:13s} | {r['acc']:.3f} | {r['parse']:.3f} | {r['seconds']:.1f} | "
-              f"{st.get('mask_ms_per_step', 0):.3f} | {st.get('invalid_proposals', '-')}")
+        print(
+            f"  {mode:13s} | {r['acc']:.3f} | {r['parse']:.3f} | {r['seconds']:.1f} | "
+            f"{st.get('mask_ms_per_step', 0):.3f} | {st.get('invalid_proposals', '-')}"
+        )
 
 
 # ----------------------------------------------------------------------------- SmolLM2 few-shot
+
 
 def smollm2_gsm(n: int, shots: int, max_new_tokens: int, batch_size: int):
     """SmolLM2-135M-Instruct, ``shots``-shot prompts built from training-seed problems (direct
@@ -134,10 +194,15 @@ TOOL_SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "enum": ["get_weather", "get_time"]},
-        "arguments": {"type": "object",
-                      "properties": {"city": {"type": "string"},
-                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                      "required": ["city", "unit"], "additionalProperties": False},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "arguments"],
     "additionalProperties": False,
@@ -150,11 +215,19 @@ def _valid_tool_call(text: str) -> bool:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return False
-    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or obj["name"] not in ("get_weather", "get_time"):
+    if (
+        not isinstance(obj, dict)
+        or set(obj) != {"name", "arguments"}
+        or obj["name"] not in ("get_weather", "get_time")
+    ):
         return False
     a = obj["arguments"]
-    return (isinstance(a, dict) and set(a) == {"city", "unit"} and isinstance(a["city"], str)
-            and a["unit"] in ("celsius", "fahrenheit"))
+    return (
+        isinstance(a, dict)
+        and set(a) == {"city", "unit"}
+        and isinstance(a["city"], str)
+        and a["unit"] in ("celsius", "fahrenheit")
+    )
 
 
 def json_schema_example(n: int, max_new_tokens: int):
@@ -163,41 +236,75 @@ def json_schema_example(n: int, max_new_tokens: int):
 
     model = pallasite.load(gguf.smollm2_gguf_path())
     tok = model.tokenizer
-    prompts = [tok.apply_chat_template(
-        [{"role": "system", "content": "You call tools. Reply with one JSON object {\"name\": ..., \"arguments\": "
-                                       "{\"city\": ..., \"unit\": ...}} and nothing else."},
-         {"role": "user", "content": f"What is the weather in {c} in {u}?"}], tokenize=False,
-        add_generation_prompt=True) for c, u in zip(CITIES * 4, ("celsius", "fahrenheit") * 16)][:n]
+    prompts = [
+        tok.apply_chat_template(
+            [
+                {
+                    "role": "system",
+                    "content": 'You call tools. Reply with one JSON object {"name": ..., "arguments": '
+                    '{"city": ..., "unit": ...}} and nothing else.',
+                },
+                {"role": "user", "content": f"What is the weather in {c} in {u}?"},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for c, u in zip(CITIES * 4, ("celsius", "fahrenheit") * 16)
+    ][:n]
     out = {}
     for name, kw in (("unconstrained", {}), ("json_schema", {"json_schema": TOOL_SCHEMA})):
         t0 = time.perf_counter()
         texts = pallasite.generate(model, prompts, max_new_tokens=max_new_tokens, **kw)
-        out[name] = dict(valid=float(np.mean([_valid_tool_call(t) for t in texts])), seconds=time.perf_counter() - t0,
-                         example=texts[0])
+        out[name] = dict(
+            valid=float(np.mean([_valid_tool_call(t) for t in texts])),
+            seconds=time.perf_counter() - t0,
+            example=texts[0],
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- main
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="GSM task only, 48 problems")
-    ap.add_argument("--models", default=os.environ.get("PALLASITE_CRANE_MODELS",
-                                                        os.path.join(tempfile.gettempdir(), "pallasite_crane_models")))
-    ap.add_argument("--n", type=int, default=0, help="problems per task (default 48 quick, 120 full)")
+    ap.add_argument(
+        "--models",
+        default=os.environ.get(
+            "PALLASITE_CRANE_MODELS", os.path.join(tempfile.gettempdir(), "pallasite_crane_models")
+        ),
+    )
+    ap.add_argument(
+        "--n", type=int, default=0, help="problems per task (default 48 quick, 120 full)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="evaluation problem seed offset")
-    ap.add_argument("--tasks", default="", help="comma list: gsm,folio (default: gsm quick, both full)")
-    ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct few-shot on the tasks")
-    ap.add_argument("--json-schema", action="store_true", help="only the SmolLM2 tool-call JSON example")
+    ap.add_argument(
+        "--tasks", default="", help="comma list: gsm,folio (default: gsm quick, both full)"
+    )
+    ap.add_argument(
+        "--smollm2", action="store_true", help="also SmolLM2-135M-Instruct few-shot on the tasks"
+    )
+    ap.add_argument(
+        "--json-schema", action="store_true", help="only the SmolLM2 tool-call JSON example"
+    )
     ap.add_argument("--batch-size", type=int, default=48)
     a = ap.parse_args(argv)
 
     if a.json_schema:
         res = json_schema_example(8, 96)
         for k, v in res.items():
-            print(f"{k:14s} valid {v['valid']:.3f}  {v['seconds']:.1f}s  e.g. {v['example']!r:.120}")
-        print(json.dumps({"json_valid_unconstrained": res["unconstrained"]["valid"],
-                          "json_valid_constrained": res["json_schema"]["valid"]}))
+            print(
+                f"{k:14s} valid {v['valid']:.3f}  {v['seconds']:.1f}s  e.g. {v['example']!r:.120}"
+            )
+        print(
+            json.dumps(
+                {
+                    "json_valid_unconstrained": res["unconstrained"]["valid"],
+                    "json_valid_constrained": res["json_schema"]["valid"],
+                }
+            )
+        )
         return res
 
     import pallasite
@@ -216,11 +323,22 @@ def main(argv=None):
     for name in tasks:
         task = gsm_task() if name == "gsm" else folio_task()
         model = pallasite.load(ensure_model(name, a.models))
-        rows = run_task(task, model, n, seed=a.seed, max_new_tokens=160 if name == "gsm" else 192,
-                        batch_size=a.batch_size)
+        rows = run_task(
+            task,
+            model,
+            n,
+            seed=a.seed,
+            max_new_tokens=160 if name == "gsm" else 192,
+            batch_size=a.batch_size,
+        )
         print_table(f"{name} (trained {model.config.d_model}-wide model, n={n})", rows)
         for mode, r in rows.items():
-            key = {"unconstrained": "unconstrained", "constrained": "constrained", "cot": "cot", "crane": "crane"}[mode]
+            key = {
+                "unconstrained": "unconstrained",
+                "constrained": "constrained",
+                "cot": "cot",
+                "crane": "crane",
+            }[mode]
             prefix = "" if name == "gsm" else "folio_"
             summary[f"{prefix}acc_{key}"] = round(r["acc"], 4)
             summary[f"{prefix}parse_rate_{key}"] = round(r["parse"], 4)

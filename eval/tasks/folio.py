@@ -27,12 +27,37 @@ from typing import Optional
 START = "Predicates:\n"
 LABELS = ("True", "False", "Unknown")
 ENTITIES = ("rex", "tom", "ada", "bob", "kim", "lux", "ned", "pia", "sol", "uma")
-ALIASES = ("buddy", "max", "coco", "duke", "echo", "fig", "gus", "hap", "iggy", "jojo", "kip", "lulu")
+ALIASES = (
+    "buddy",
+    "max",
+    "coco",
+    "duke",
+    "echo",
+    "fig",
+    "gus",
+    "hap",
+    "iggy",
+    "jojo",
+    "kip",
+    "lulu",
+)
 # (noun phrase for "is a/an ...", adjective-ish phrase for "is ...", predicate)
-NOUNS = (("a cat", "cats", "Cat"), ("a dog", "dogs", "Dog"), ("a bird", "birds", "Bird"),
-         ("a fish", "fish", "Fish"), ("a pet", "pets", "Pet"), ("a mammal", "mammals", "Mammal"))
-ADJS = (("furry", "Furry"), ("wet", "Wet"), ("happy", "Happy"), ("loud", "Loud"), ("small", "Small"),
-        ("fast", "Fast"))
+NOUNS = (
+    ("a cat", "cats", "Cat"),
+    ("a dog", "dogs", "Dog"),
+    ("a bird", "birds", "Bird"),
+    ("a fish", "fish", "Fish"),
+    ("a pet", "pets", "Pet"),
+    ("a mammal", "mammals", "Mammal"),
+)
+ADJS = (
+    ("furry", "Furry"),
+    ("wet", "Wet"),
+    ("happy", "Happy"),
+    ("loud", "Loud"),
+    ("small", "Small"),
+    ("fast", "Fast"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +80,10 @@ def _name_of(entity: str, depth: int, chain: dict) -> str:
 def _rule(rng, a, b, negative: bool):
     """'All As are B' / 'No A is B' as (text, formula)."""
     if negative:
-        return (f"No {a[0][2:]} is {b[0]}.", f"{{forall}} x ({a[2]}(x) {{implies}} {{not}} {b[1]}(x))")
+        return (
+            f"No {a[0][2:]} is {b[0]}.",
+            f"{{forall}} x ({a[2]}(x) {{implies}} {{not}} {b[1]}(x))",
+        )
     return (f"All {a[1]} are {b[0]}.", f"{{forall}} x ({a[2]}(x) {{implies}} {b[1]}(x))")
 
 
@@ -68,7 +96,9 @@ def make_problem(rng: random.Random) -> Problem:
     for e in ents:
         names = [e] + [next(aliases) for _ in range(rng.choice((1, 2, 2)))]
         chain[e] = names
-        alias_text += [f"{a.capitalize()} is also called {b.capitalize()}." for a, b in zip(names, names[1:])]
+        alias_text += [
+            f"{a.capitalize()} is also called {b.capitalize()}." for a, b in zip(names, names[1:])
+        ]
     nouns, adjs = rng.sample(NOUNS, 3), rng.sample(ADJS, 3)
     e = rng.choice(ents)
     premises, mentioned = [], []
@@ -94,16 +124,30 @@ def make_problem(rng: random.Random) -> Problem:
     elif kind < 0.7:
         fact(other, lambda n: f"{n} is not {adjs[2][0]}.", f"{{not}} {adjs[2][1]}({other})")
     else:
-        fact(other, lambda n: f"{n} is {c[0]} or {nouns[2][0]}.", f"{c[2]}({other}) {{or}} {nouns[2][2]}({other})")
+        fact(
+            other,
+            lambda n: f"{n} is {c[0]} or {nouns[2][0]}.",
+            f"{c[2]}({other}) {{or}} {nouns[2][2]}({other})",
+        )
     rng.shuffle(premises)
     target = b if aim != "Unknown" or rng.random() < 0.5 else adjs[2]
     cname = _name_of(e, rng.randint(1, 2), chain)
     mentioned.append(cname)
     concl_nl, concl_fol = f"{cname.capitalize()} is {target[0]}", f"{target[1]}({e})"
     used = sorted({m for _, f in premises for m in re.findall(r"[A-Z]\w*", f)} | {target[1]})
-    text = " ".join(alias_text + [t for t, _ in premises]) + f"\nIs it true, false or unknown that {concl_nl}?"
-    program = (START + "".join(f"{p}(x)\n" for p in used) + "Premises:\n" + "".join(f + "\n" for _, f in premises)
-               + "Conclusion:\n" + concl_fol + "\n")
+    text = (
+        " ".join(alias_text + [t for t, _ in premises])
+        + f"\nIs it true, false or unknown that {concl_nl}?"
+    )
+    program = (
+        START
+        + "".join(f"{p}(x)\n" for p in used)
+        + "Premises:\n"
+        + "".join(f + "\n" for _, f in premises)
+        + "Conclusion:\n"
+        + concl_fol
+        + "\n"
+    )
     steps = []
     for name in mentioned:
         for names in chain.values():
@@ -140,9 +184,17 @@ def training_text(p: Problem) -> str:
 
 # ----------------------------------------------------------------------------- parsing and solving
 
-_TOKEN = re.compile(r"\{forall\}|\{exists\}|\{not\}|\{and\}|\{or\}|\{xor\}|\{implies\}|\{iff\}|[A-Z]\w*|[a-z]\w*"
-                    r"|[0-9]+|\(|\)|,|\S")
-_BINARY = (("{iff}", "iff"), ("{implies}", "implies"), ("{xor}", "xor"), ("{or}", "or"), ("{and}", "and"))
+_TOKEN = re.compile(
+    r"\{forall\}|\{exists\}|\{not\}|\{and\}|\{or\}|\{xor\}|\{implies\}|\{iff\}|[A-Z]\w*|[a-z]\w*"
+    r"|[0-9]+|\(|\)|,|\S"
+)
+_BINARY = (
+    ("{iff}", "iff"),
+    ("{implies}", "implies"),
+    ("{xor}", "xor"),
+    ("{or}", "or"),
+    ("{and}", "and"),
+)
 
 
 class _Parser:
@@ -184,7 +236,10 @@ class _Parser:
         t = self.peek()
         if t == "{not}":
             self.take()
-            return ("not", self.unary() if self.peek() not in ("{forall}", "{exists}") else self.formula())
+            return (
+                "not",
+                self.unary() if self.peek() not in ("{forall}", "{exists}") else self.formula(),
+            )
         if t == "(":
             self.take()
             f = self.formula()
@@ -217,13 +272,15 @@ def parse_program(text: str):
     k = text.find(START)
     if k < 0:
         raise ValueError("no 'Predicates:' section")
-    body = text[k + len(START):]
+    body = text[k + len(START) :]
     m = re.match(r"(?s)(.*?)Premises:\n(.*?)Conclusion:\n(.*)", body)
     if not m:
         raise ValueError("missing Premises: / Conclusion: sections")
     decls, prem, concl = m.groups()
     for line in decls.splitlines():
-        if line.strip() and not re.fullmatch(r"\s*[A-Z]\w*\(\s*[a-z]\w*(\s*,\s*[a-z]\w*)*\s*\)\s*", line):
+        if line.strip() and not re.fullmatch(
+            r"\s*[A-Z]\w*\(\s*[a-z]\w*(\s*,\s*[a-z]\w*)*\s*\)\s*", line
+        ):
             raise ValueError(f"bad predicate declaration {line!r}")
     premises = [parse_formula(line) for line in prem.splitlines() if line.strip()]
     concl_lines = [line for line in concl.splitlines() if line.strip()]
@@ -251,8 +308,13 @@ def _to_z3(f, env, preds, obj, bound):
     if kind == "not":
         return z3.Not(_to_z3(f[1], env, preds, obj, bound))
     a, b = _to_z3(f[1], env, preds, obj, bound), _to_z3(f[2], env, preds, obj, bound)
-    return {"and": lambda: z3.And(a, b), "or": lambda: z3.Or(a, b), "xor": lambda: z3.Xor(a, b),
-            "implies": lambda: z3.Implies(a, b), "iff": lambda: a == b}[kind]()
+    return {
+        "and": lambda: z3.And(a, b),
+        "or": lambda: z3.Or(a, b),
+        "xor": lambda: z3.Xor(a, b),
+        "implies": lambda: z3.Implies(a, b),
+        "iff": lambda: a == b,
+    }[kind]()
 
 
 def label_of(premises, conclusion, timeout_ms: int = 5000) -> str:
@@ -289,25 +351,38 @@ def evaluate(text: str) -> Optional[str]:
 
 def program_grammar() -> str:
     """The program after (and including) "Predicates:\\n", in llguidance's Lark-like syntax."""
-    return "\n".join([
-        'start: " "? "Predicates:\\n" decl+ "Premises:\\n" stmt+ "Conclusion:\\n" stmt',
-        'decl: PRED "(" NAME ("," NAME)* ")" "\\n"',
-        'stmt: formula "\\n"',
-        'formula: QUANT NAME "(" formula ")" | iff',
-        'iff: imp | imp "{iff}" iff',
-        'imp: xor | xor "{implies}" imp',
-        'xor: or_ | or_ "{xor}" xor',
-        'or_: and_ | and_ "{or}" or_',
-        'and_: neg | neg "{and}" and_',
-        'neg: "{not}" neg | "{not}" QUANT NAME "(" formula ")" | atom',
-        'atom: PRED "(" NAME ("," NAME)* ")" | "(" formula ")"',
-        'QUANT: "{forall}" | "{exists}"',
-        "PRED: /[A-Z][a-zA-Z0-9]*/",
-        "NAME: /[a-z][a-zA-Z0-9_]*/",
-        '%ignore " "',
-        "",
-    ])
+    return "\n".join(
+        [
+            'start: " "? "Predicates:\\n" decl+ "Premises:\\n" stmt+ "Conclusion:\\n" stmt',
+            'decl: PRED "(" NAME ("," NAME)* ")" "\\n"',
+            'stmt: formula "\\n"',
+            'formula: QUANT NAME "(" formula ")" | iff',
+            'iff: imp | imp "{iff}" iff',
+            'imp: xor | xor "{implies}" imp',
+            'xor: or_ | or_ "{xor}" xor',
+            'or_: and_ | and_ "{or}" or_',
+            'and_: neg | neg "{and}" and_',
+            'neg: "{not}" neg | "{not}" QUANT NAME "(" formula ")" | atom',
+            'atom: PRED "(" NAME ("," NAME)* ")" | "(" formula ")"',
+            'QUANT: "{forall}" | "{exists}"',
+            "PRED: /[A-Z][a-zA-Z0-9]*/",
+            "NAME: /[a-z][a-zA-Z0-9_]*/",
+            '%ignore " "',
+            "",
+        ]
+    )
 
 
-__all__ = ["Problem", "make_problem", "make_problems", "prompt", "training_text", "parse_program", "label_of",
-           "evaluate", "program_grammar", "START", "LABELS"]
+__all__ = [
+    "Problem",
+    "make_problem",
+    "make_problems",
+    "prompt",
+    "training_text",
+    "parse_program",
+    "label_of",
+    "evaluate",
+    "program_grammar",
+    "START",
+    "LABELS",
+]

@@ -28,22 +28,59 @@ from typing import Optional
 
 START, END = "<<", ">>"
 NAMES = ("Tom", "Mia", "Ava", "Leo", "Sam", "Zoe", "Max", "Ivy", "Ben", "Eli", "Noa", "Kai")
-ITEMS = ("apples", "marbles", "stickers", "coins", "cards", "pens", "shells", "books", "eggs", "stamps")
+ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "coins",
+    "cards",
+    "pens",
+    "shells",
+    "books",
+    "eggs",
+    "stamps",
+)
 _VAR_LETTERS = "abcdefghjkmnpqrstuvwxyz"
 _RESERVED = {"int", "in", "is", "if", "or", "as", "and", "not", "def", "del", "for"}
 
 # (sentence template, cot template, expression builder, precedence of the result)
 _OPS = (
-    ("{who} buys {v} more {item}.", "After buying more, {who} has {span} {item}.", lambda q, v: f"{q} + {v}", 1),
-    ("{who} gives {v} {item} to a friend.", "After giving some away, {who} has {span} {item}.",
-     lambda q, v: f"{q} - {v}", 1),
-    ("{who} loses {v} {item}.", "After losing some, {who} has {span} {item}.", lambda q, v: f"{q} - {v}", 1),
-    ("Each of the {item} is traded for {v} new ones.", "After the trade, {who} has {span} {item}.",
-     lambda q, v: f"{q} * {v}", 2),
-    ("{who} shares the {item} equally among {v} friends and keeps one share.",
-     "One share is {span} {item}.", lambda q, v: f"{q} // {v}", 2),
-    ("{who} packs the {item} into boxes of {v} and keeps the ones left over.",
-     "The ones left over are {span} {item}.", lambda q, v: f"{q} % {v}", 2),
+    (
+        "{who} buys {v} more {item}.",
+        "After buying more, {who} has {span} {item}.",
+        lambda q, v: f"{q} + {v}",
+        1,
+    ),
+    (
+        "{who} gives {v} {item} to a friend.",
+        "After giving some away, {who} has {span} {item}.",
+        lambda q, v: f"{q} - {v}",
+        1,
+    ),
+    (
+        "{who} loses {v} {item}.",
+        "After losing some, {who} has {span} {item}.",
+        lambda q, v: f"{q} - {v}",
+        1,
+    ),
+    (
+        "Each of the {item} is traded for {v} new ones.",
+        "After the trade, {who} has {span} {item}.",
+        lambda q, v: f"{q} * {v}",
+        2,
+    ),
+    (
+        "{who} shares the {item} equally among {v} friends and keeps one share.",
+        "One share is {span} {item}.",
+        lambda q, v: f"{q} // {v}",
+        2,
+    ),
+    (
+        "{who} packs the {item} into boxes of {v} and keeps the ones left over.",
+        "The ones left over are {span} {item}.",
+        lambda q, v: f"{q} % {v}",
+        2,
+    ),
 )
 
 
@@ -64,7 +101,9 @@ class Problem:
 def _names(rng: random.Random, k: int) -> list:
     out: list = []
     while len(out) < k:
-        n = rng.choice(_VAR_LETTERS) + (rng.choice(_VAR_LETTERS + "0123456789") if rng.random() < 0.6 else "")
+        n = rng.choice(_VAR_LETTERS) + (
+            rng.choice(_VAR_LETTERS + "0123456789") if rng.random() < 0.6 else ""
+        )
         if n not in out and n not in _RESERVED:
             out.append(n)
     return out
@@ -74,7 +113,9 @@ def _wrap(expr: str, prec: int, need: int) -> str:
     return f"({expr})" if prec < need else expr
 
 
-def make_problem(rng: random.Random, n_steps: Optional[int] = None, names: str = "random") -> Problem:
+def make_problem(
+    rng: random.Random, n_steps: Optional[int] = None, names: str = "random"
+) -> Problem:
     """``names="random"``: variables named per problem; ``"positional"``: a, b, c, ... in order of
     appearance (the answer then depends on the operations alone, not on copying names)."""
     n_ops = n_steps if n_steps is not None else rng.randint(2, 4)
@@ -93,7 +134,7 @@ def make_problem(rng: random.Random, n_steps: Optional[int] = None, names: str =
         used = vs[:1]
     cot.append(f"{who} starts with {START}{q}{END} {item}.")
     steps.append(q)
-    rest = vs[len(used):][:n_ops]
+    rest = vs[len(used) :][:n_ops]
     for v in rest:
         sent, why, build, p = rng.choice(_OPS)
         q = build(_wrap(q, prec, p), v)
@@ -104,8 +145,14 @@ def make_problem(rng: random.Random, n_steps: Optional[int] = None, names: str =
         used.append(v)
     sentences.append(f"How many {item} does {who} have at the end?")
     cot.append(f"The final answer is {START}{q}{END}.")
-    return Problem(question=" ".join(sentences), variables=tuple(used), answer=q, steps=tuple(steps),
-                   cot=" ".join(cot), direct=f"{START}{q}{END}")
+    return Problem(
+        question=" ".join(sentences),
+        variables=tuple(used),
+        answer=q,
+        steps=tuple(steps),
+        cot=" ".join(cot),
+        direct=f"{START}{q}{END}",
+    )
 
 
 def make_problems(n: int, seed: int, names: str = "random") -> list:
@@ -129,13 +176,14 @@ def training_text(p: Problem, cot: bool) -> str:
 
 # ----------------------------------------------------------------------------- answers
 
+
 def last_span(text: str) -> Optional[str]:
     """The last ``<< ... >>`` span's inside (CRANE's extraction), or None."""
     e = text.rfind(END)
     s = text.rfind(START, 0, e) if e >= 0 else -1
     if s < 0:
         return None
-    return text[s + len(START):e].strip()
+    return text[s + len(START) : e].strip()
 
 
 _ALLOWED_BIN = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
@@ -156,8 +204,13 @@ def parses(expr: Optional[str]) -> bool:
         if isinstance(n, ast.UnaryOp):
             return isinstance(n.op, ast.USub) and ok(n.operand)
         if isinstance(n, ast.Call):
-            return (isinstance(n.func, ast.Name) and n.func.id == "int" and len(n.args) == 1 and not n.keywords
-                    and ok(n.args[0]))
+            return (
+                isinstance(n.func, ast.Name)
+                and n.func.id == "int"
+                and len(n.args) == 1
+                and not n.keywords
+                and ok(n.args[0])
+            )
         if isinstance(n, ast.Name):
             return n.id != "int"
         return isinstance(n, ast.Constant) and type(n.value) in (int, float)
@@ -252,7 +305,10 @@ def equivalent(a: Optional[str], b: str, variable_types: dict, *, timeout_ms: in
     for n, v in env.items():
         solver.add(v >= 1, z3.IsInt(v))
     try:
-        solver.add(_z3_term(ast.parse(a, mode="eval").body, env) != _z3_term(ast.parse(b, mode="eval").body, env))
+        solver.add(
+            _z3_term(ast.parse(a, mode="eval").body, env)
+            != _z3_term(ast.parse(b, mode="eval").body, env)
+        )
     except (ValueError, z3.Z3Exception):
         return random_equivalent(a, b, names)
     result = solver.check()
@@ -265,27 +321,46 @@ def equivalent(a: Optional[str], b: str, variable_types: dict, *, timeout_ms: in
 
 # ----------------------------------------------------------------------------- grammar
 
+
 def answer_grammar(variables=None) -> str:
     """The answer span ``<< expr >>`` (CRANE's gsm_grammar.lark in llguidance's syntax). With
     ``variables``, VARIABLE admits only those names (the semantic check CRANE's driver enforces
     by backtracking, here by the grammar)."""
     if variables:
-        var = "VARIABLE: " + " | ".join(f'"{v}"' for v in sorted(variables, key=lambda s: (-len(s), s)))
+        var = "VARIABLE: " + " | ".join(
+            f'"{v}"' for v in sorted(variables, key=lambda s: (-len(s), s))
+        )
     else:
         var = "VARIABLE: /[a-zA-Z_][a-zA-Z0-9_]*/"
-    return "\n".join([
-        'start: " "? "<<" expr ">>"',  # the leading space: llguidance ignores " " only between lexemes
-        'expr: expr "+" term | expr "-" term | term',
-        'term: term "*" factor | term "/" factor | term "//" factor | term "%" factor | factor',
-        'factor: "-" factor | "int" "(" expr ")" | primary',
-        'primary: NUMBER | VARIABLE | "(" expr ")"',
-        var,
-        "NUMBER: /[0-9]+(\\.[0-9]+)?/",
-        '%ignore " "',
-        "",
-    ])
+    return "\n".join(
+        [
+            'start: " "? "<<" expr ">>"',  # the leading space: llguidance ignores " " only between lexemes
+            'expr: expr "+" term | expr "-" term | term',
+            'term: term "*" factor | term "/" factor | term "//" factor | term "%" factor | factor',
+            'factor: "-" factor | "int" "(" expr ")" | primary',
+            'primary: NUMBER | VARIABLE | "(" expr ")"',
+            var,
+            "NUMBER: /[0-9]+(\\.[0-9]+)?/",
+            '%ignore " "',
+            "",
+        ]
+    )
 
 
-__all__ = ["Problem", "make_problem", "make_problems", "prompt", "training_text", "last_span", "parses",
-           "equivalent", "random_equivalent", "answer_grammar", "variables_in", "START", "END",
-           "DIRECT_CUE", "COT_CUE"]
+__all__ = [
+    "Problem",
+    "make_problem",
+    "make_problems",
+    "prompt",
+    "training_text",
+    "last_span",
+    "parses",
+    "equivalent",
+    "random_equivalent",
+    "answer_grammar",
+    "variables_in",
+    "START",
+    "END",
+    "DIRECT_CUE",
+    "COT_CUE",
+]

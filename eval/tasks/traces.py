@@ -24,8 +24,11 @@ GSM_NAMES = "positional"  # the trained task models' variable naming (see gsm_sy
 
 def texts(task: str, n: int, seed: int = TRAIN_SEED) -> list:
     if task == "gsm":
-        return [gsm_symbolic.training_text(p, cot) for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES)
-                for cot in (False, True)]
+        return [
+            gsm_symbolic.training_text(p, cot)
+            for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES)
+            for cot in (False, True)
+        ]
     if task == "folio":
         return [folio.training_text(p) for p in folio.make_problems(n, seed)]
     raise ValueError(f"task {task!r}; expected gsm | folio")

@@ -39,14 +39,20 @@ class Constraint:
         if isinstance(self.source, (dict, list)):  # canonical text keeps the constraint hashable
             object.__setattr__(self, "source", json.dumps(self.source, sort_keys=True))
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ConstraintError(f"Constraint {self.name or self.kind!r}: source must be non-empty text "
-                                  f"(or a dict for json_schema); got {self.source!r:.80}")
+            raise ConstraintError(
+                f"Constraint {self.name or self.kind!r}: source must be non-empty text "
+                f"(or a dict for json_schema); got {self.source!r:.80}"
+            )
         for field in ("start", "end"):
             v = getattr(self, field)
             if v is not None and (not isinstance(v, str) or not v):
-                raise ConstraintError(f"Constraint.{field} must be a non-empty string or None; got {v!r}")
+                raise ConstraintError(
+                    f"Constraint.{field} must be a non-empty string or None; got {v!r}"
+                )
         if self.end is not None and self.start is None:
-            raise ConstraintError("Constraint.end needs a start delimiter (spans run from start to end)")
+            raise ConstraintError(
+                "Constraint.end needs a start delimiter (spans run from start to end)"
+            )
 
     @property
     def spans(self) -> bool:
@@ -54,13 +60,17 @@ class Constraint:
 
     def bind(self, tokenizer) -> "Constraint":
         """This constraint bound to ``tokenizer`` (unchanged when already bound)."""
-        return self if self.tokenizer is not None else dataclasses.replace(self, tokenizer=tokenizer)
+        return (
+            self if self.tokenizer is not None else dataclasses.replace(self, tokenizer=tokenizer)
+        )
 
     def replace(self, **changes) -> "Constraint":
         return dataclasses.replace(self, **changes)
 
 
-def as_constraint(value: Any, *, where: str = "GenerationConfig.constraint") -> Optional[Constraint]:
+def as_constraint(
+    value: Any, *, where: str = "GenerationConfig.constraint"
+) -> Optional[Constraint]:
     if value is None or isinstance(value, Constraint):
         return value
     if isinstance(value, Mapping):
@@ -68,8 +78,9 @@ def as_constraint(value: Any, *, where: str = "GenerationConfig.constraint") -> 
             return config_from_mapping(Constraint, value, where=where)
         except TypeError as e:
             raise ConstraintError(f"{where}: {e}") from None
-    raise ConstraintError(f"{where} must be a Constraint, a mapping of its fields or None; "
-                          f"got {type(value).__name__}")
+    raise ConstraintError(
+        f"{where} must be a Constraint, a mapping of its fields or None; got {type(value).__name__}"
+    )
 
 
 def normalize(value: Any, *, where: str = "GenerationConfig.constraint"):
@@ -83,8 +94,10 @@ def per_row(value, n_rows: int) -> list:
     """The constraint of each of ``n_rows`` prompts."""
     if isinstance(value, tuple):
         if len(value) != n_rows:
-            raise ConstraintError(f"GenerationConfig.constraint has {len(value)} entries for {n_rows} prompts; "
-                                  "give one constraint (or None) per prompt, or a single one for all")
+            raise ConstraintError(
+                f"GenerationConfig.constraint has {len(value)} entries for {n_rows} prompts; "
+                "give one constraint (or None) per prompt, or a single one for all"
+            )
         return list(value)
     return [value] * n_rows
 
@@ -114,13 +127,19 @@ class CompiledConstraint:
             self.span_grammar = self.grammar
         self.bad_straddlers: dict = {}  # free-text tail key -> token ids whose S-straddle fails
         self._candidates: dict = {}
-        self.ids_with_start = vocab.ids_containing(self.start) if self.start else np.zeros(0, np.int64)
+        self.ids_with_start = (
+            vocab.ids_containing(self.start) if self.start else np.zeros(0, np.int64)
+        )
 
     def straddle_candidates(self, key: tuple) -> np.ndarray:
         """Tokens that complete S after a free text ending in S[:j] (j in ``key``) or contain S."""
         if key not in self._candidates:
-            parts = [self.ids_with_start] + [self.vocab.ids_starting_with(self.start[j:]) for j in key]
-            self._candidates[key] = np.unique(np.concatenate(parts)) if parts else self.ids_with_start
+            parts = [self.ids_with_start] + [
+                self.vocab.ids_starting_with(self.start[j:]) for j in key
+            ]
+            self._candidates[key] = (
+                np.unique(np.concatenate(parts)) if parts else self.ids_with_start
+            )
         return self._candidates[key]
 
 
@@ -146,5 +165,14 @@ def constraint_kinds() -> Sequence[str]:
     return CONSTRAINT.names()
 
 
-__all__ = ["Constraint", "CompiledConstraint", "ConstraintError", "as_constraint", "normalize", "per_row",
-           "bind_all", "compiled", "constraint_kinds"]
+__all__ = [
+    "Constraint",
+    "CompiledConstraint",
+    "ConstraintError",
+    "as_constraint",
+    "normalize",
+    "per_row",
+    "bind_all",
+    "compiled",
+    "constraint_kinds",
+]

@@ -29,8 +29,9 @@ MODES = ("unconstrained", "constrained", "cot", "crane")
 COT_MODES = ("cot", "crane")
 
 
-def mode_constraint(mode: str, grammar: str, start: str, end: Optional[str], *, name: str = "",
-                    kind: str = "lark") -> Optional[Constraint]:
+def mode_constraint(
+    mode: str, grammar: str, start: str, end: Optional[str], *, name: str = "", kind: str = "lark"
+) -> Optional[Constraint]:
     if mode not in MODES:
         raise ValueError(f"CRANE mode {mode!r}; expected one of {MODES}")
     if mode in ("unconstrained", "cot"):
@@ -50,10 +51,22 @@ class ModeResult:
     row_errors: Optional[dict] = None
 
 
-def generate_modes(model, problems: Sequence, *, prompt_fn: Callable, grammar_fn: Callable, start: str,
-                   end: Optional[str], modes: Sequence[str] = MODES, max_new_tokens: int = 256,
-                   opportunistic: bool = True, overlap: bool = True, batch_size: int = 64,
-                   temperature: float = 0.0, seed: int = 0) -> dict:
+def generate_modes(
+    model,
+    problems: Sequence,
+    *,
+    prompt_fn: Callable,
+    grammar_fn: Callable,
+    start: str,
+    end: Optional[str],
+    modes: Sequence[str] = MODES,
+    max_new_tokens: int = 256,
+    opportunistic: bool = True,
+    overlap: bool = True,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict:
     """{mode: ModeResult} for ``model`` (a ``pallasite.Model``) on ``problems``.
 
     ``prompt_fn(problem, cot: bool) -> str``; ``grammar_fn(problem) -> str`` (the answer grammar of
@@ -67,18 +80,37 @@ def generate_modes(model, problems: Sequence, *, prompt_fn: Callable, grammar_fn
         cot = mode in COT_MODES
         texts, steps, t0, stats_all, errors = [], 0, time.perf_counter(), [], {}
         for lo in range(0, len(problems), batch_size):
-            chunk = problems[lo: lo + batch_size]
+            chunk = problems[lo : lo + batch_size]
             prompts = [model.encode(prompt_fn(p, cot)) for p in chunk]
             cons = tuple(mode_constraint(mode, grammar_fn(p), start, end) for p in chunk)
-            gen = make_generation_config(None, dict(
-                max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                stop_tokens=(int(model.tokenizer.eos_token_id),),
-                constraint=cons if any(c is not None for c in cons) else None,
-                strategy_config=({"opportunistic": opportunistic, "overlap": overlap}
-                                 if any(c is not None for c in cons) else None)), model.tokenizer)
+            gen = make_generation_config(
+                None,
+                dict(
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seed=seed,
+                    stop_tokens=(int(model.tokenizer.eos_token_id),),
+                    constraint=cons if any(c is not None for c in cons) else None,
+                    strategy_config=(
+                        {"opportunistic": opportunistic, "overlap": overlap}
+                        if any(c is not None for c in cons)
+                        else None
+                    ),
+                ),
+                model.tokenizer,
+            )
             strategy, args = build_constrained(gen, len(prompts))
-            s = E.run_decode(model.graphdef, model.state, model.config, prompts, gen, strategy=strategy,
-                             args=args, key=jax.random.key(seed), model=model)
+            s = E.run_decode(
+                model.graphdef,
+                model.state,
+                model.config,
+                prompts,
+                gen,
+                strategy=strategy,
+                args=args,
+                key=jax.random.key(seed),
+                model=model,
+            )
             ids = E.results(s)
             steps += max(len(r) for r in ids)
             texts += [model.decode(r) for r in ids]
@@ -92,8 +124,11 @@ def generate_modes(model, problems: Sequence, *, prompt_fn: Callable, grammar_fn
             keys = [k for k in stats_all[0] if not k.endswith("_per_step")]
             stats = {k: sum(s[k] for s in stats_all) for k in keys}
             stats["mask_ms_per_step"] = 1e3 * stats["mask_s"] / max(stats["steps"], 1)
-            stats["host_ms_per_step"] = 1e3 * (stats["mask_s"] + stats["check_s"] + stats["sync_s"]) / max(
-                stats["steps"], 1)
+            stats["host_ms_per_step"] = (
+                1e3
+                * (stats["mask_s"] + stats["check_s"] + stats["sync_s"])
+                / max(stats["steps"], 1)
+            )
         out[mode] = ModeResult(mode, texts, time.perf_counter() - t0, steps, stats, errors or None)
     return out
 

@@ -31,7 +31,9 @@ def _lark(source: Any) -> str:
     import llguidance
 
     if not isinstance(source, str):
-        raise ConstraintError(f"a lark constraint takes the grammar text; got {type(source).__name__}")
+        raise ConstraintError(
+            f"a lark constraint takes the grammar text; got {type(source).__name__}"
+        )
     return llguidance.LLMatcher.grammar_from_lark(source)
 
 
@@ -40,7 +42,9 @@ def _ebnf(source: Any) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
     if not isinstance(source, str):
-        raise ConstraintError(f"an ebnf constraint takes the grammar text; got {type(source).__name__}")
+        raise ConstraintError(
+            f"an ebnf constraint takes the grammar text; got {type(source).__name__}"
+        )
     try:
         lark = any_to_lark(source)
     except Exception as e:  # the converter raises plain exceptions on GBNF syntax errors
@@ -57,7 +61,9 @@ def _json_schema(source: Any) -> str:
         except json.JSONDecodeError as e:
             raise ConstraintError(f"a json_schema constraint must be JSON; {e}") from None
     if not isinstance(source, (dict, bool)):
-        raise ConstraintError(f"a JSON schema must be an object (or true/false); got {type(source).__name__}")
+        raise ConstraintError(
+            f"a JSON schema must be an object (or true/false); got {type(source).__name__}"
+        )
     return llguidance.LLMatcher.grammar_from_json_schema(source)
 
 
@@ -65,11 +71,18 @@ def _regex(source: Any) -> str:
     import llguidance
 
     if not isinstance(source, str):
-        raise ConstraintError(f"a regex constraint takes the pattern text; got {type(source).__name__}")
+        raise ConstraintError(
+            f"a regex constraint takes the pattern text; got {type(source).__name__}"
+        )
     return llguidance.LLMatcher.grammar_from_regex(source)
 
 
-for _kind, _fn in (("lark", _lark), ("ebnf", _ebnf), ("json_schema", _json_schema), ("regex", _regex)):
+for _kind, _fn in (
+    ("lark", _lark),
+    ("ebnf", _ebnf),
+    ("json_schema", _json_schema),
+    ("regex", _regex),
+):
     CONSTRAINT.register(_kind, _fn)
 
 
@@ -101,9 +114,15 @@ def compile_grammar(kind: str, source: Any, vocab, *, name: str = "") -> str:
 def span_grammar(grammar: str) -> str:
     """``grammar`` then any text: llguidance composes the two through a named sub-grammar."""
     top = "start: @span FREE_TAIL\nFREE_TAIL: /(.|\\n)*/\n"
-    inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    inner = (
+        json.loads(grammar)["grammars"]
+        if grammar.lstrip().startswith("{")
+        else [{"lark_grammar": grammar}]
+    )
     if len(inner) != 1:
-        raise ConstraintError("a span constraint needs a single grammar (not a list of sub-grammars)")
+        raise ConstraintError(
+            "a span constraint needs a single grammar (not a list of sub-grammars)"
+        )
     return json.dumps({"grammars": [{"lark_grammar": top}, {**inner[0], "name": "span"}]})
 
 

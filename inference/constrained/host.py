@@ -42,15 +42,22 @@ class SessionStats:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["mask_ms_per_step"] = 1e3 * self.mask_s / max(self.steps, 1)
-        d["host_ms_per_step"] = 1e3 * (self.mask_s + self.check_s + self.sync_s) / max(self.steps, 1)
+        d["host_ms_per_step"] = (
+            1e3 * (self.mask_s + self.check_s + self.sync_s) / max(self.steps, 1)
+        )
         return d
 
 
 class HostSession:
     """Row states of one batch (None = unconstrained row) + stats; see the module docstring."""
 
-    def __init__(self, constraints: Sequence[Optional[Constraint]], stop_ids: Optional[Sequence[int]] = None,
-                 *, threads: Optional[int] = None):
+    def __init__(
+        self,
+        constraints: Sequence[Optional[Constraint]],
+        stop_ids: Optional[Sequence[int]] = None,
+        *,
+        threads: Optional[int] = None,
+    ):
         import llguidance
 
         tokenizers = {id(c.tokenizer): c.tokenizer for c in constraints if c is not None}
@@ -59,7 +66,8 @@ class HostSession:
             raise ConstraintError(
                 f"constraint(s) of prompt(s) {unbound} have no tokenizer: pass them through "
                 "pallasite.generate(model, ...) (which binds the model's tokenizer) or call "
-                "Constraint.bind(tokenizer)")
+                "Constraint.bind(tokenizer)"
+            )
         if len(tokenizers) > 1:
             raise ConstraintError("all constraints of one generation must use the same tokenizer")
         self.vocab = vocab_for(next(iter(tokenizers.values())), stop_ids) if tokenizers else None
@@ -87,9 +95,11 @@ class HostSession:
                 continue
             n = int(n_out_B[i])
             if n < row.consumed:
-                raise RuntimeError(f"constrained row {i}: {n} tokens emitted but {row.consumed} already consumed "
-                                   "(emitted tokens never shrink)")
-            for t in out_BN[i, row.consumed:n].tolist():
+                raise RuntimeError(
+                    f"constrained row {i}: {n} tokens emitted but {row.consumed} already consumed "
+                    "(emitted tokens never shrink)"
+                )
+            for t in out_BN[i, row.consumed : n].tolist():
                 row.consume(int(t))
         self.stats.sync_s += time.perf_counter() - t0
 
@@ -97,14 +107,19 @@ class HostSession:
         return {i: r.error for i, r in enumerate(self.rows) if r is not None and r.error}
 
     # ------------------------------------------------------------------ masks
-    def masks(self, words_per_row: int, done_B: np.ndarray, which: Optional[np.ndarray] = None) -> np.ndarray:
+    def masks(
+        self, words_per_row: int, done_B: np.ndarray, which: Optional[np.ndarray] = None
+    ) -> np.ndarray:
         """[B, W] int32 bitmasks; rows not in ``which`` (and done / unconstrained rows) allow all."""
         import llguidance.numpy as lln
 
         t0 = time.perf_counter()
         words = np.full((self.n_rows, words_per_row), -1, np.int32)
-        todo = [i for i, r in enumerate(self.rows)
-                if r is not None and not done_B[i] and r.error is None and (which is None or which[i])]
+        todo = [
+            i
+            for i, r in enumerate(self.rows)
+            if r is not None and not done_B[i] and r.error is None and (which is None or which[i])
+        ]
         matchers = [(self.rows[i].mask_matcher(), i) for i in todo]
         matchers = [(m, i) for m, i in matchers if m is not None]
         if matchers:
@@ -144,7 +159,9 @@ class HostSession:
     def kick(self, out_BN, n_out_B, done_B, words_per_row: int) -> int:
         """Start sync + masks on the host thread; returns the ticket ``collect`` waits on."""
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pallasite-mask")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="pallasite-mask"
+            )
         ticket = next(self._tickets)
         args = (np.array(out_BN), np.array(n_out_B), np.array(done_B), words_per_row)
         with self._lock:
@@ -205,7 +222,7 @@ _REG_LOCK = threading.Lock()
 
 def _register(session: HostSession) -> int:
     with _REG_LOCK:
-        sid = next(_IDS) % (2 ** 31 - 1)
+        sid = next(_IDS) % (2**31 - 1)
         _SESSIONS[sid] = session
         while len(_SESSIONS) > MAX_SESSIONS:
             _, old = _SESSIONS.popitem(last=False)
@@ -219,8 +236,10 @@ def get_session(sid) -> HostSession:
     try:
         return _SESSIONS[sid]
     except KeyError:
-        raise RuntimeError(f"constrained-decoding session {sid} is gone (more than {MAX_SESSIONS} "
-                           "generations were started since)") from None
+        raise RuntimeError(
+            f"constrained-decoding session {sid} is gone (more than {MAX_SESSIONS} "
+            "generations were started since)"
+        ) from None
 
 
 __all__ = ["HostSession", "SessionStats", "get_session", "MAX_SESSIONS"]

@@ -29,7 +29,7 @@ def set_bits(words: np.ndarray, ids, value: bool) -> None:
     if ids.size == 0:
         return
     view = words.view(np.uint32)
-    bits = (np.uint32(1) << (ids % 32).astype(np.uint32))
+    bits = np.uint32(1) << (ids % 32).astype(np.uint32)
     if value:
         np.bitwise_or.at(view, ids // 32, bits)
     else:
@@ -136,7 +136,7 @@ class SpanRow:
         if self.E is None:
             return True
         e = rest.find(self.E, len(self.S))
-        return e < 0 or self._free_ok(b"", rest[e + len(self.E):])
+        return e < 0 or self._free_ok(b"", rest[e + len(self.E) :])
 
     def _tail_key(self, tail: bytes) -> tuple:
         """The proper prefixes of S that ``tail`` ends with: all that a next token's S depends on."""
@@ -153,15 +153,22 @@ class SpanRow:
             key = self._tail_key(self.free_text)
             bad = self.compiled.bad_straddlers.get(key)
             if bad is None:
-                tail = self.S[:max(key)] if key else b""
+                tail = self.S[: max(key)] if key else b""
                 cand = self.compiled.straddle_candidates(key)
-                bad = np.array([t for t in cand if not self._free_ok(tail, self.vocab.token_bytes[t])], np.int64)
+                bad = np.array(
+                    [t for t in cand if not self._free_ok(tail, self.vocab.token_bytes[t])],
+                    np.int64,
+                )
                 self.compiled.bad_straddlers[key] = bad
             set_bits(words, bad, False)
         else:
             add_forced_prefixes(self.matcher, self.vocab, words)
             if self.E is not None:
-                bad = [t for t in self.compiled.ids_with_start if test_bit(words, t) and not self.valid(t)]
+                bad = [
+                    t
+                    for t in self.compiled.ids_with_start
+                    if test_bit(words, t) and not self.valid(t)
+                ]
                 set_bits(words, bad, False)
 
     def valid(self, t: int) -> bool:
@@ -178,7 +185,7 @@ class SpanRow:
             return True
         body = self.span + b
         e = body.find(self.E, len(self.S))
-        return e < 0 or self._free_ok(b"", body[e + len(self.E):])
+        return e < 0 or self._free_ok(b"", body[e + len(self.E) :])
 
     def consume(self, t: int) -> None:
         self.consumed += 1
@@ -203,7 +210,7 @@ class SpanRow:
         text = self.free_text + data
         k = text.find(self.S)
         if k < 0:
-            self.free_text = text[-max(len(self.S) - 1, 1):] if len(self.S) > 1 else b""
+            self.free_text = text[-max(len(self.S) - 1, 1) :] if len(self.S) > 1 else b""
             return
         rest = text[k:]
         self.matcher = self._fresh_matcher()  # the parser is reset per span, seeded with S
@@ -220,7 +227,7 @@ class SpanRow:
         e = self.span.find(self.E, len(self.S))
         if e < 0:
             return
-        leftover = self.span[e + len(self.E):]
+        leftover = self.span[e + len(self.E) :]
         self.closed_spans.append(self.span[: e + len(self.E)])
         self.span, self.matcher = None, None
         self._feed_free(leftover)

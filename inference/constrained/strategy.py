@@ -38,7 +38,9 @@ from pallasite.registry import DECODE_STRATEGY
 @dataclasses.dataclass(frozen=True)
 class ConstrainedConfig:
     opportunistic: bool = True  # propose, check, mask only rows whose proposal is invalid
-    overlap: bool = True  # always-mask mode: compute the next mask on a host thread during the forward
+    overlap: bool = (
+        True  # always-mask mode: compute the next mask on a host thread during the forward
+    )
     threads: int = 0  # llguidance mask threads (0: its default)
 
 
@@ -65,7 +67,9 @@ def apply_bitmask(logits_BV: jax.Array, words_BW: jax.Array) -> jax.Array:
 
 
 def _host_masks(sid, out_BN, n_out_B, done_B, *, words):
-    return get_session(sid).sync_and_masks(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), words)
+    return get_session(sid).sync_and_masks(
+        np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), words
+    )
 
 
 def _host_kick(sid, out_BN, n_out_B, done_B, *, words):
@@ -77,8 +81,9 @@ def _host_collect(sid, ticket):
 
 
 def _host_check(sid, out_BN, n_out_B, done_B, proposal_B):
-    return get_session(sid).check(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B),
-                                  np.asarray(proposal_B))
+    return get_session(sid).check(
+        np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), np.asarray(proposal_B)
+    )
 
 
 def _host_remask(sid, done_B, valid_B, *, words):
@@ -87,8 +92,9 @@ def _host_remask(sid, done_B, valid_B, *, words):
 
 
 def _host_draft(sid, out_BN, n_out_B, done_B, draft_BK, *, words):
-    return get_session(sid).draft_masks(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B),
-                                        np.asarray(draft_BK), words)
+    return get_session(sid).draft_masks(
+        np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), np.asarray(draft_BK), words
+    )
 
 
 def _words_struct(B, W):
@@ -107,8 +113,15 @@ def draft_masks(session, s, draft_BK: jax.Array, vocab_size: int) -> jax.Array:
     B, K = draft_BK.shape
     W = words_for(vocab_size)
     fn = functools.partial(_host_draft, words=W)
-    return jax.pure_callback(fn, jax.ShapeDtypeStruct((B, K + 1, W), jnp.int32), session, s.out_BN, s.n_out_B,
-                             s.done_B, draft_BK.astype(jnp.int32))
+    return jax.pure_callback(
+        fn,
+        jax.ShapeDtypeStruct((B, K + 1, W), jnp.int32),
+        session,
+        s.out_BN,
+        s.n_out_B,
+        s.done_B,
+        draft_BK.astype(jnp.int32),
+    )
 
 
 # ----------------------------------------------------------------------------- strategy
@@ -138,14 +151,28 @@ class ConstrainedStrategy:
                 words_BW = host_masks(ctx.args.session, s, V)
             return self._draw(apply_bitmask(logits_BV, words_BW), sub, ctx.args), s
         proposal_B = self._draw(logits_BV, sub, ctx.args)
-        valid_B = jax.pure_callback(_host_check, jax.ShapeDtypeStruct(proposal_B.shape, jnp.bool_),
-                                    ctx.args.session, s.out_BN, s.n_out_B, s.done_B, proposal_B)
+        valid_B = jax.pure_callback(
+            _host_check,
+            jax.ShapeDtypeStruct(proposal_B.shape, jnp.bool_),
+            ctx.args.session,
+            s.out_BN,
+            s.n_out_B,
+            s.done_B,
+            proposal_B,
+        )
 
         def redraw(_):
             fn = functools.partial(_host_remask, words=words_for(V))
-            words = jax.pure_callback(fn, _words_struct(proposal_B.shape[0], words_for(V)),
-                                      ctx.args.session, s.done_B, valid_B)
-            return jnp.where(valid_B, proposal_B, self._draw(apply_bitmask(logits_BV, words), sub, ctx.args))
+            words = jax.pure_callback(
+                fn,
+                _words_struct(proposal_B.shape[0], words_for(V)),
+                ctx.args.session,
+                s.done_B,
+                valid_B,
+            )
+            return jnp.where(
+                valid_B, proposal_B, self._draw(apply_bitmask(logits_BV, words), sub, ctx.args)
+            )
 
         tok_B = jax.lax.cond(jnp.all(valid_B), lambda _: proposal_B, redraw, None)
         return tok_B, s
@@ -164,8 +191,14 @@ class ConstrainedStrategy:
             # run the forward pass, then collect (the barrier orders the kick before the forward)
             B, W = s.out_BN.shape[0], s.extra.shape[0]
             kick = functools.partial(_host_kick, words=W)
-            ticket = jax.pure_callback(kick, jax.ShapeDtypeStruct((), jnp.int32), ctx.args.session, s.out_BN,
-                                       s.n_out_B, s.done_B)
+            ticket = jax.pure_callback(
+                kick,
+                jax.ShapeDtypeStruct((), jnp.int32),
+                ctx.args.session,
+                s.out_BN,
+                s.n_out_B,
+                s.done_B,
+            )
             ticket, tokens_B1 = jax.lax.optimization_barrier((ticket, tokens_B1))
             logits_BTV, cache = ctx.model(s.cache, tokens_B1, positions_B1)
             words = jax.pure_callback(_host_collect, _words_struct(B, W), ctx.args.session, ticket)
@@ -185,11 +218,17 @@ def build_constrained(gen: GenerationConfig, n_prompts: int):
         return SamplingStrategy(spec=spec, processors=tuple(gen.logits_processors)), sampling
     stops = gen.stop_tokens if gen.stop_tokens else None
     if gen.stop_tokens == ():
-        raise ValueError("a constrained generation needs a stop token (the grammar's end); "
-                         "stop_tokens=() leaves none")
+        raise ValueError(
+            "a constrained generation needs a stop token (the grammar's end); "
+            "stop_tokens=() leaves none"
+        )
     session = HostSession(rows, stops, threads=cfg.threads or None)
-    strategy = ConstrainedStrategy(spec=spec, processors=tuple(gen.logits_processors),
-                                   opportunistic=cfg.opportunistic, overlap=cfg.overlap)
+    strategy = ConstrainedStrategy(
+        spec=spec,
+        processors=tuple(gen.logits_processors),
+        opportunistic=cfg.opportunistic,
+        overlap=cfg.overlap,
+    )
     return strategy, ConstrainedArgs(sampling=sampling, session=jnp.int32(session.id))
 
 
@@ -201,5 +240,14 @@ def session_of(args) -> HostSession:
     return get_session(args.session)
 
 
-__all__ = ["ConstrainedConfig", "ConstrainedArgs", "ConstrainedStrategy", "build_constrained", "apply_bitmask",
-           "host_masks", "draft_masks", "session_of", "words_for"]
+__all__ = [
+    "ConstrainedConfig",
+    "ConstrainedArgs",
+    "ConstrainedStrategy",
+    "build_constrained",
+    "apply_bitmask",
+    "host_masks",
+    "draft_masks",
+    "session_of",
+    "words_for",
+]

@@ -37,13 +37,17 @@ def sugar_constraint(options: dict) -> Optional[Constraint]:
         return None
     if len(given) > 1 or options.get("constraint") is not None:
         names = sorted(given) + (["constraint"] if options.get("constraint") is not None else [])
-        raise ConstraintError(f"pass one of grammar=, json_schema=, regex=, constraint=; got {names}")
-    (key, source), = given.items()
+        raise ConstraintError(
+            f"pass one of grammar=, json_schema=, regex=, constraint=; got {names}"
+        )
+    ((key, source),) = given.items()
     if isinstance(source, Constraint):
         return source
     if key == "grammar":
         if not isinstance(source, str):
-            raise ConstraintError(f"grammar= takes the grammar text (Lark or GBNF); got {type(source).__name__}")
+            raise ConstraintError(
+                f"grammar= takes the grammar text (Lark or GBNF); got {type(source).__name__}"
+            )
         return Constraint(grammar_kind(source), source, name="grammar")
     return Constraint(key, source, name=key)
 
@@ -60,7 +64,9 @@ def make_generation_config(config, options: dict, tokenizer):
     if gen.constraint is None:
         return gen
     if tokenizer is None:
-        raise ConstraintError("constrained generation needs the model's tokenizer (this model has none)")
+        raise ConstraintError(
+            "constrained generation needs the model's tokenizer (this model has none)"
+        )
     return gen.replace(constraint=bind_all(gen.constraint, tokenizer))
 
 
@@ -68,12 +74,24 @@ def make_generation_config(config, options: dict, tokenizer):
 
 
 def add_cli_arguments(parser) -> None:
-    parser.add_argument("--grammar", default=None, metavar="FILE",
-                        help="constrain the completion to a grammar (Lark; .gbnf/.ebnf files: GBNF)")
-    parser.add_argument("--json-schema", default=None, metavar="FILE",
-                        help="constrain the completion to JSON valid under this schema")
-    parser.add_argument("--regex", default=None, metavar="PATTERN",
-                        help="constrain the completion to a full match of this regular expression")
+    parser.add_argument(
+        "--grammar",
+        default=None,
+        metavar="FILE",
+        help="constrain the completion to a grammar (Lark; .gbnf/.ebnf files: GBNF)",
+    )
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain the completion to JSON valid under this schema",
+    )
+    parser.add_argument(
+        "--regex",
+        default=None,
+        metavar="PATTERN",
+        help="constrain the completion to a full match of this regular expression",
+    )
 
 
 def _read(path: str, flag: str) -> str:
@@ -87,22 +105,38 @@ def cli_options(args) -> dict:
     """``{"constraint": Constraint}`` from ``--grammar`` / ``--json-schema`` / ``--regex`` (or ``{}``)."""
     grammar, schema = getattr(args, "grammar", None), getattr(args, "json_schema", None)
     regex = getattr(args, "regex", None)
-    given = [f for f, v in (("--grammar", grammar), ("--json-schema", schema), ("--regex", regex)) if v]
+    given = [
+        f for f, v in (("--grammar", grammar), ("--json-schema", schema), ("--regex", regex)) if v
+    ]
     if len(given) > 1:
-        raise ConstraintError(f"pallasite generate: pass one of --grammar, --json-schema, --regex; got {given}")
+        raise ConstraintError(
+            f"pallasite generate: pass one of --grammar, --json-schema, --regex; got {given}"
+        )
     if regex:
         return {"constraint": Constraint("regex", regex, name="--regex")}
     if grammar:
         text = _read(grammar, "--grammar")
-        return {"constraint": Constraint(grammar_kind(text, grammar), text, name=os.path.basename(grammar))}
+        return {
+            "constraint": Constraint(
+                grammar_kind(text, grammar), text, name=os.path.basename(grammar)
+            )
+        }
     if schema:
         text = _read(schema, "--json-schema")
         try:
             json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConstraintError(f"pallasite generate: --json-schema {schema!r} is not JSON: {e}") from None
+            raise ConstraintError(
+                f"pallasite generate: --json-schema {schema!r} is not JSON: {e}"
+            ) from None
         return {"constraint": Constraint("json_schema", text, name=os.path.basename(schema))}
     return {}
 
 
-__all__ = ["make_generation_config", "sugar_constraint", "grammar_kind", "add_cli_arguments", "cli_options"]
+__all__ = [
+    "make_generation_config",
+    "sugar_constraint",
+    "grammar_kind",
+    "add_cli_arguments",
+    "cli_options",
+]

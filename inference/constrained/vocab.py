@@ -29,7 +29,9 @@ class TokenBytes:
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(bytes(t) for t in self.tokens))
         if not 0 <= self.eos_token_id < len(self.tokens):
-            raise ValueError(f"TokenBytes: eos_token_id={self.eos_token_id} outside [0, {len(self.tokens)})")
+            raise ValueError(
+                f"TokenBytes: eos_token_id={self.eos_token_id} outside [0, {len(self.tokens)})"
+            )
 
     def __len__(self):
         return len(self.tokens)
@@ -45,19 +47,24 @@ class TokenBytes:
         out, i = [], 0
         while i < len(data):
             for n in range(min(longest, len(data) - i), 0, -1):
-                j = lookup.get(data[i:i + n])
+                j = lookup.get(data[i : i + n])
                 if j is not None:
                     out.append(j)
                     i += n
                     break
             else:
-                raise ValueError(f"TokenBytes.encode: byte {data[i:i + 1]!r} is not in the vocabulary")
+                raise ValueError(
+                    f"TokenBytes.encode: byte {data[i : i + 1]!r} is not in the vocabulary"
+                )
         return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         n = len(self.tokens)  # ids past the vocabulary (a model's padded rows) decode to nothing
-        return b"".join(self.tokens[i] for i in ids if i < n and not (skip_special_tokens and i in self.special_ids)
-                        ).decode("utf-8", errors="replace")
+        return b"".join(
+            self.tokens[i]
+            for i in ids
+            if i < n and not (skip_special_tokens and i in self.special_ids)
+        ).decode("utf-8", errors="replace")
 
 
 class _Wrapped:
@@ -100,7 +107,9 @@ class TokenVocab:
 
     def ids_starting_with(self, prefix: bytes) -> np.ndarray:
         """Ids of the tokens whose bytes start with ``prefix`` (sorted)."""
-        return np.array([i for i, t in enumerate(self.token_bytes) if t and t.startswith(prefix)], np.int64)
+        return np.array(
+            [i for i, t in enumerate(self.token_bytes) if t and t.startswith(prefix)], np.int64
+        )
 
     @functools.cached_property
     def _ids_by_bytes(self) -> dict:
@@ -122,8 +131,10 @@ _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _stop_ids_of(tokenizer) -> tuple:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        raise ValueError("constrained decoding needs the tokenizer's eos id (or explicit stop_tokens); "
-                         f"{type(tokenizer).__name__} has eos_token_id=None")
+        raise ValueError(
+            "constrained decoding needs the tokenizer's eos id (or explicit stop_tokens); "
+            f"{type(tokenizer).__name__} has eos_token_id=None"
+        )
     return (int(eos),)
 
 
@@ -137,15 +148,19 @@ def vocab_for(tokenizer, stop_ids: Optional[Sequence[int]] = None) -> TokenVocab
     if stop in per_tok:
         return per_tok[stop]
     if isinstance(tokenizer, TokenBytes):
-        ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer)), eos_token=list(stop))
+        ll = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Wrapped(tokenizer)), eos_token=list(stop)
+        )
     else:
         import llguidance.hf
 
         try:
             ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(stop))
         except ValueError as e:
-            raise TypeError(f"constrained decoding needs a fast Hugging Face tokenizer or a TokenBytes "
-                            f"vocabulary; got {type(tokenizer).__name__}: {e}") from None
+            raise TypeError(
+                f"constrained decoding needs a fast Hugging Face tokenizer or a TokenBytes "
+                f"vocabulary; got {type(tokenizer).__name__}: {e}"
+            ) from None
     n = ll.vocab_size
     token_bytes = [b"" if ll.is_special_token(i) else ll.decode_bytes([i]) for i in range(n)]
     bad = [t for t in stop if not 0 <= t < n]

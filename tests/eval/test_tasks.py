@@ -7,7 +7,9 @@ from pallasite.eval.tasks import folio, traces
 from pallasite.eval.tasks import gsm_symbolic as G
 from pallasite.inference.constrained import Constraint, HostSession, TokenBytes
 
-BYTES = TokenBytes(tuple(bytes([i]) for i in range(256)) + (b"<eos>",), eos_token_id=256, special_ids=(256,))
+BYTES = TokenBytes(
+    tuple(bytes([i]) for i in range(256)) + (b"<eos>",), eos_token_id=256, special_ids=(256,)
+)
 INT = {v: "int" for v in "abcdxy"}
 
 
@@ -47,19 +49,30 @@ def test_generated_gsm_problems_grammar_and_traces():
         for step in p.steps:
             assert _accepts(grammar, f"<<{step}>>")
     g = G.answer_grammar(["a", "ab"])
-    assert _accepts(g, "<<int(ab // 2) - a>>") and not _accepts(g, "<<b>>") and not _accepts(g, "<<a ** 2>>")
+    assert (
+        _accepts(g, "<<int(ab // 2) - a>>")
+        and not _accepts(g, "<<b>>")
+        and not _accepts(g, "<<a ** 2>>")
+    )
     assert len(traces.texts("gsm", 3)) == 6
 
 
 def test_folio_labels_by_z3():
-    prog = ("Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\n"
-            "Conclusion:\n")
+    prog = (
+        "Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\n"
+        "Conclusion:\n"
+    )
     assert folio.evaluate(prog + "Furry(rex)\n") == "True"
     assert folio.evaluate(prog + "{not} Furry(rex)\n") == "False"
     assert folio.evaluate(prog + "Furry(tom)\n") == "Unknown"
     assert folio.evaluate(prog.replace("Cat(rex)", "Cat(rex") + "Furry(rex)\n") is None
-    assert folio.evaluate("Predicates:\nP(x)\nPremises:\n{exists} x (P(x))\nConclusion:\n"
-                          "{not} {forall} x ({not} P(x))\n") == "True"
+    assert (
+        folio.evaluate(
+            "Predicates:\nP(x)\nPremises:\n{exists} x (P(x))\nConclusion:\n"
+            "{not} {forall} x ({not} P(x))\n"
+        )
+        == "True"
+    )
 
 
 def test_folio_problems_are_balanced_and_the_program_grammar_accepts_them():
@@ -69,4 +82,6 @@ def test_folio_problems_are_balanced_and_the_program_grammar_accepts_them():
     for p in ps[:6]:
         assert folio.evaluate(p.program) == p.label
         assert _accepts(g, p.program)
-    assert not _accepts(g, "Predicates:\nCat(x)\nPremises:\nCat(rex) {and}\nConclusion:\nCat(rex)\n")
+    assert not _accepts(
+        g, "Predicates:\nCat(x)\nPremises:\nCat(rex) {and}\nConclusion:\nCat(rex)\n"
+    )

@@ -11,23 +11,50 @@ from pallasite.inference.constrained import TokenBytes
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import init_model
 
-TOKENS = (b"<eos>", b"<", b"<<", b"<<(", b"<(", b"<)", b"<<)", b">", b">>", b" >>", b">>.", b">><<", b"(", b")",
-          b"a", b"b", b"ab", b"1", b"+", b"*", b" ", b"x", b"y", b".", b"q")
+TOKENS = (
+    b"<eos>",
+    b"<",
+    b"<<",
+    b"<<(",
+    b"<(",
+    b"<)",
+    b"<<)",
+    b">",
+    b">>",
+    b" >>",
+    b">>.",
+    b">><<",
+    b"(",
+    b")",
+    b"a",
+    b"b",
+    b"ab",
+    b"1",
+    b"+",
+    b"*",
+    b" ",
+    b"x",
+    b"y",
+    b".",
+    b"q",
+)
 EOS = 0
 VOCAB = TokenBytes(TOKENS, eos_token_id=EOS, special_ids=(EOS,))
 MODEL_VOCAB = 32  # > len(TOKENS): ids the tokenizer does not have exist in the model
 ID = {t: i for i, t in enumerate(TOKENS)}
 
 # the answer grammar, for llguidance (constraint) and for lark (oracle): the same language
-SPAN_LARK = "\n".join([
-    'start: "<<" e ">>"',
-    'e: e "+" t | e "*" t | t',
-    't: VAR | NUM | "(" e ")"',
-    "VAR: /[ab]+/",
-    "NUM: /1+/",
-    '%ignore " "',
-    "",
-])
+SPAN_LARK = "\n".join(
+    [
+        'start: "<<" e ">>"',
+        'e: e "+" t | e "*" t | t',
+        't: VAR | NUM | "(" e ")"',
+        "VAR: /[ab]+/",
+        "NUM: /1+/",
+        '%ignore " "',
+        "",
+    ]
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +94,7 @@ def crane_text_ok(text: str) -> bool:
         e = text.find(">>", k + 2)
         if e < 0:
             return viable_span(text[k:])
-        if not parses(text[k:e + 2]):
+        if not parses(text[k : e + 2]):
             return False
         i = e + 2
 
@@ -113,7 +140,9 @@ def _open_span(text: str) -> bool:
 
 
 def tiny_model(seed: int = 0, scale: float = 1.0):
-    cfg = ModelConfig(vocab_size=MODEL_VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    cfg = ModelConfig(
+        vocab_size=MODEL_VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64
+    )
     g, st = nnx.split(init_model(cfg, seed=seed))
     if scale != 1.0:
         import jax

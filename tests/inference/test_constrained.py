@@ -24,7 +24,8 @@ def _fixtures():
 
     if "constrained_fixtures" not in sys.modules:  # a helper beside this file (tests is no package)
         spec = importlib.util.spec_from_file_location(
-            "constrained_fixtures", pathlib.Path(__file__).with_name("constrained_fixtures.py"))
+            "constrained_fixtures", pathlib.Path(__file__).with_name("constrained_fixtures.py")
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules["constrained_fixtures"] = mod
         spec.loader.exec_module(mod)
@@ -32,7 +33,14 @@ def _fixtures():
 
 
 F = _fixtures()
-EOS, ID, MODEL_VOCAB, SPAN_LARK, TOKENS, VOCAB = F.EOS, F.ID, F.MODEL_VOCAB, F.SPAN_LARK, F.TOKENS, F.VOCAB
+EOS, ID, MODEL_VOCAB, SPAN_LARK, TOKENS, VOCAB = (
+    F.EOS,
+    F.ID,
+    F.MODEL_VOCAB,
+    F.SPAN_LARK,
+    F.TOKENS,
+    F.VOCAB,
+)
 decode, oracle_valid, parses, tiny_model = F.decode, F.oracle_valid, F.parses, F.tiny_model
 
 W = words_for(MODEL_VOCAB)
@@ -44,7 +52,7 @@ def _session(constraint):
 
 def _mask_row(sess, ids):
     out = np.zeros((1, 64), np.int32)
-    out[0, :len(ids)] = ids
+    out[0, : len(ids)] = ids
     sess.sync(out, np.array([len(ids)]))
     return sess.masks(W, np.zeros(1, bool))[0]
 
@@ -64,7 +72,10 @@ def test_mask_is_exactly_the_brute_force_valid_set(spans):
             mask = np.array([bit(words, t) for t in range(MODEL_VOCAB)])
             want = np.array([oracle_valid(ids, t, spans=spans) for t in range(MODEL_VOCAB)])
             valid = np.array([sess.rows[0].valid(t) for t in range(MODEL_VOCAB)])
-            diff = [(TOKENS[t] if t < len(TOKENS) else t, mask[t], want[t]) for t in np.nonzero(mask != want)[0]]
+            diff = [
+                (TOKENS[t] if t < len(TOKENS) else t, mask[t], want[t])
+                for t in np.nonzero(mask != want)[0]
+            ]
             assert not diff, f"after {decode(ids)!r}: (token, mask, oracle) {diff}"
             assert (valid == want).all(), f"row.valid disagrees after {decode(ids)!r}"
             states += 1
@@ -104,12 +115,21 @@ def test_tokens_straddling_the_delimiters_are_split_by_characters():
 
 
 def test_kinds_compile_and_failures_name_the_grammar_and_the_engine_message():
-    for kind, src in (("lark", SPAN_LARK), ("ebnf", 'root ::= "<<" [ab]+ ">>"'), ("regex", r"<<[ab]+>>"),
-                      ("json_schema", {"type": "integer"})):
+    for kind, src in (
+        ("lark", SPAN_LARK),
+        ("ebnf", 'root ::= "<<" [ab]+ ">>"'),
+        ("regex", r"<<[ab]+>>"),
+        ("json_schema", {"type": "integer"}),
+    ):
         HostSession([Constraint(kind, src, tokenizer=VOCAB)])
-    with pytest.raises(ConstraintError, match=r"lark constraint 'answer.lark' does not compile \(llguidance\).*"
-                                              r"unknown name"):
-        HostSession([Constraint("lark", 'start: "<<" expr ">>"', name="answer.lark", tokenizer=VOCAB)])
+    with pytest.raises(
+        ConstraintError,
+        match=r"lark constraint 'answer.lark' does not compile \(llguidance\).*"
+        r"unknown name",
+    ):
+        HostSession(
+            [Constraint("lark", 'start: "<<" expr ">>"', name="answer.lark", tokenizer=VOCAB)]
+        )
     with pytest.raises(ConstraintError, match="json_schema constraint 'tool'.*must be JSON"):
         HostSession([Constraint("json_schema", "{not json", name="tool", tokenizer=VOCAB)])
     with pytest.raises(UnknownKindError, match="known: ebnf, json_schema, lark, regex"):
@@ -117,10 +137,16 @@ def test_kinds_compile_and_failures_name_the_grammar_and_the_engine_message():
     with pytest.raises(ConstraintError, match="no tokenizer.*bind"):
         build_constrained(GenerationConfig(constraint=Constraint("lark", SPAN_LARK)), 1)
     with pytest.raises(ConstraintError, match="2 entries for 3 prompts"):
-        build_constrained(GenerationConfig(constraint=(None, Constraint("lark", SPAN_LARK, tokenizer=VOCAB))), 3)
+        build_constrained(
+            GenerationConfig(constraint=(None, Constraint("lark", SPAN_LARK, tokenizer=VOCAB))), 3
+        )
     with pytest.raises(ValueError, match="needs a stop token"):
-        build_constrained(GenerationConfig(constraint=Constraint("lark", SPAN_LARK, tokenizer=VOCAB),
-                                           stop_tokens=()), 1)
+        build_constrained(
+            GenerationConfig(
+                constraint=Constraint("lark", SPAN_LARK, tokenizer=VOCAB), stop_tokens=()
+            ),
+            1,
+        )
     with pytest.raises(ConstraintError, match="end needs a start"):
         Constraint("lark", SPAN_LARK, end=">>")
     gen = GenerationConfig(constraint={"kind": "regex", "source": "<<a>>"})
@@ -134,15 +160,34 @@ def model():
 
 def _run(model, prompts, constraint, *, mode=None, temperature=0.0, seed=0, n=24, stream=None):
     cfg, g, st = model
-    gen = GenerationConfig(max_new_tokens=n, stop_tokens=(EOS,), temperature=temperature, seed=seed,
-                           constraint=constraint, strategy_config=mode)
+    gen = GenerationConfig(
+        max_new_tokens=n,
+        stop_tokens=(EOS,),
+        temperature=temperature,
+        seed=seed,
+        constraint=constraint,
+        strategy_config=mode,
+    )
     strategy, args = build_constrained(gen, len(prompts))
-    s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=args, key=jax.random.key(seed),
-                     stream=stream)
+    s = E.run_decode(
+        g,
+        st,
+        cfg,
+        prompts,
+        gen,
+        strategy=strategy,
+        args=args,
+        key=jax.random.key(seed),
+        stream=stream,
+    )
     return E.results(s), (session_of(args) if hasattr(args, "session") else None)
 
 
-MODES = ({"opportunistic": True}, {"opportunistic": False, "overlap": False}, {"opportunistic": False, "overlap": True})
+MODES = (
+    {"opportunistic": True},
+    {"opportunistic": False, "overlap": False},
+    {"opportunistic": False, "overlap": True},
+)
 
 
 def test_per_row_grammars_in_one_compiled_loop_and_mode_equivalence(model):
@@ -150,12 +195,17 @@ def test_per_row_grammars_in_one_compiled_loop_and_mode_equivalence(model):
     and temperature sampling give the same tokens in the three masking modes (opportunistic,
     always, always + overlap); the unconstrained row equals unconstrained decoding."""
     prompts = [[ID[b"x"], ID[b"a"]], [ID[b"q"]], [ID[b"y"], ID[b"b"]], [ID[b"1"]]]
-    cons = (Constraint("lark", SPAN_LARK, tokenizer=VOCAB),
-            Constraint("lark", SPAN_LARK, start="<<", end=">>", tokenizer=VOCAB),
-            Constraint("regex", r"(ab|1)+\.", tokenizer=VOCAB), None)
+    cons = (
+        Constraint("lark", SPAN_LARK, tokenizer=VOCAB),
+        Constraint("lark", SPAN_LARK, start="<<", end=">>", tokenizer=VOCAB),
+        Constraint("regex", r"(ab|1)+\.", tokenizer=VOCAB),
+        None,
+    )
     free, _ = _run(model, prompts, None)
     for temperature, modes in ((0.0, MODES[::2]), (1.0, MODES)):
-        outs = [_run(model, prompts, cons, mode=m, temperature=temperature, seed=3)[0] for m in modes]
+        outs = [
+            _run(model, prompts, cons, mode=m, temperature=temperature, seed=3)[0] for m in modes
+        ]
         assert all(o == outs[0] for o in outs)
         out = outs[0]
         if temperature == 0.0:
@@ -178,8 +228,15 @@ def test_streaming_equals_the_while_loop(model):
     c = Constraint("lark", SPAN_LARK, start="<<", end=">>", tokenizer=VOCAB)
     seen = [[], []]
     loop, _ = _run(model, prompts, c, temperature=1.0, seed=5)
-    streamed, _ = _run(model, prompts, c, temperature=1.0, seed=5, n=24,
-                       stream=lambda new: [seen[i].extend(t) for i, t in enumerate(new)])
+    streamed, _ = _run(
+        model,
+        prompts,
+        c,
+        temperature=1.0,
+        seed=5,
+        n=24,
+        stream=lambda new: [seen[i].extend(t) for i, t in enumerate(new)],
+    )
     assert loop == streamed == seen
 
 
@@ -213,21 +270,30 @@ def test_sampling_distribution_is_the_masked_softmax(model):
     out, sess = _run(model, [prompt] * n_rows, c, mode=MODES[0], temperature=1.0, seed=11, n=1)
     counts = np.bincount(np.array([r[0] for r in out]), minlength=MODEL_VOCAB).astype(float)
     assert _chi2(counts, p_masked) > 1e-3
-    assert sess.stats.invalid_proposals > 100  # most proposals were invalid: the redraw was exercised
+    assert (
+        sess.stats.invalid_proposals > 100
+    )  # most proposals were invalid: the redraw was exercised
     with pytest.raises(AssertionError):
         assert _chi2(counts, p_free) > 1e-3
 
 
 def test_pallasite_generate_sugar_binds_the_model_tokenizer():
     import pallasite
-    from pallasite.inference.constrained.sugar import cli_options, grammar_kind, make_generation_config
+    from pallasite.inference.constrained.sugar import (
+        cli_options,
+        grammar_kind,
+        make_generation_config,
+    )
 
     cfg, g, st = tiny_model(seed=2)
     m = pallasite.Model(cfg, st, tokenizer=VOCAB, graphdef=g)
-    texts = pallasite.generate(m, ["x", "q"], grammar=SPAN_LARK, max_new_tokens=40, temperature=1.0, seed=1)
+    texts = pallasite.generate(
+        m, ["x", "q"], grammar=SPAN_LARK, max_new_tokens=40, temperature=1.0, seed=1
+    )
     assert all(parses(t) for t in texts), texts
-    crane = pallasite.generate(m, ["x"], constraint=Constraint("lark", SPAN_LARK, start="<<", end=">>"),
-                               max_new_tokens=30)
+    crane = pallasite.generate(
+        m, ["x"], constraint=Constraint("lark", SPAN_LARK, start="<<", end=">>"), max_new_tokens=30
+    )
     assert isinstance(crane[0], str)
     assert grammar_kind('root ::= "a"') == "ebnf" and grammar_kind(SPAN_LARK) == "lark"
     with pytest.raises(ConstraintError, match="pass one of"):
@@ -267,13 +333,27 @@ def test_json_schema_outputs_validate_with_a_real_bpe_tokenizer():
     from pallasite.models.tokenizer import train_bpe
     from pallasite.models.transformer import init_model
 
-    corpus = [json.dumps({"city": c, "n": i}) for i, c in enumerate(["Paris", "Lima", "Oslo", "Rome"] * 50)]
+    corpus = [
+        json.dumps({"city": c, "n": i})
+        for i, c in enumerate(["Paris", "Lima", "Oslo", "Rome"] * 50)
+    ]
     tok = train_bpe(corpus, 300)
-    cfg = ModelConfig(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
-                      eos_token_id=(tok.eos_token_id,))
+    cfg = ModelConfig(
+        vocab_size=len(tok),
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        eos_token_id=(tok.eos_token_id,),
+    )
     g, st = nnx.split(init_model(cfg, seed=0))
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}, "n": {"type": "integer"}},
-              "required": ["city", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Lima"]}, "n": {"type": "integer"}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
     c = Constraint("json_schema", schema, tokenizer=tok)
     prompts = [tok.encode("{", add_special_tokens=False)] * 6
     gen = GenerationConfig(max_new_tokens=48, temperature=0.7, seed=0, constraint=c)
@@ -282,7 +362,11 @@ def test_json_schema_outputs_validate_with_a_real_bpe_tokenizer():
     assert len(done) >= 3
     for r in done:
         obj = json.loads(tok.decode(r, skip_special_tokens=True))
-        assert set(obj) == {"city", "n"} and obj["city"] in ("Paris", "Lima") and isinstance(obj["n"], int)
+        assert (
+            set(obj) == {"city", "n"}
+            and obj["city"] in ("Paris", "Lima")
+            and isinstance(obj["n"], int)
+        )
 
 
 def test_draft_masks_are_the_masks_after_each_draft_prefix():
@@ -314,18 +398,47 @@ def test_pallasite_generate_cli_flags_end_to_end(tmp_path, capsys):
 
     corpus = [json.dumps({"n": i}) for i in range(200)]
     tok = train_bpe(corpus, 280)
-    cfg = ModelConfig(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
-                      max_seq_len=64, eos_token_id=(tok.eos_token_id,))
+    cfg = ModelConfig(
+        vocab_size=len(tok),
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        max_seq_len=64,
+        eos_token_id=(tok.eos_token_id,),
+    )
     g, st = nnx.split(init_model(cfg, seed=0))
     pallasite.Model(cfg, st, tok, g).save(str(tmp_path / "hf"), format="hf")
     schema = tmp_path / "n.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
-                                  "required": ["n"], "additionalProperties": False}))
-    cli.main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "x:", "--json-schema",
-              str(schema), "--max-new-tokens", "24", "--temperature", "0.7"])
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    cli.main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "hf"),
+            "--prompt",
+            "x:",
+            "--json-schema",
+            str(schema),
+            "--max-new-tokens",
+            "24",
+            "--temperature",
+            "0.7",
+        ]
+    )
     captured = capsys.readouterr()
     assert captured.out.startswith("x:")
-    text = captured.out[len("x:"):].strip()
+    text = captured.out[len("x:") :].strip()
     try:
         assert set(json.loads(text)) == {"n"} and isinstance(json.loads(text)["n"], int), text
     except json.JSONDecodeError:  # only an output cut by --max-new-tokens may be unfinished
@@ -336,7 +449,9 @@ def test_pallasite_generate_cli_flags_end_to_end(tmp_path, capsys):
     bad = tmp_path / "bad.lark"
     bad.write_text('start: "<<" expr ">>"\n')
     with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "x", "--grammar", str(bad)])
+        cli.main(
+            ["generate", "--model", str(tmp_path / "hf"), "--prompt", "x", "--grammar", str(bad)]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[")]

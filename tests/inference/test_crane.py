@@ -29,7 +29,8 @@ def _fixtures():
 
     if "constrained_fixtures" not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            "constrained_fixtures", pathlib.Path(__file__).with_name("constrained_fixtures.py"))
+            "constrained_fixtures", pathlib.Path(__file__).with_name("constrained_fixtures.py")
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules["constrained_fixtures"] = mod
         spec.loader.exec_module(mod)
@@ -43,10 +44,17 @@ PROMPTS = [[F.ID[b"x"]], [F.ID[b"q"], F.ID[b"a"]], [F.ID[b"y"]], [F.ID[b"1"], F.
 
 def _generate(model, prompts, constraint, *, temperature=0.0, seed=0, n=40):
     cfg, g, st = model
-    gen = GenerationConfig(max_new_tokens=n, stop_tokens=(F.EOS,), temperature=temperature, seed=seed,
-                           constraint=constraint)
+    gen = GenerationConfig(
+        max_new_tokens=n,
+        stop_tokens=(F.EOS,),
+        temperature=temperature,
+        seed=seed,
+        constraint=constraint,
+    )
     strategy, args = build_constrained(gen, len(prompts))
-    s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=args, key=jax.random.key(seed))
+    s = E.run_decode(
+        g, st, cfg, prompts, gen, strategy=strategy, args=args, key=jax.random.key(seed)
+    )
     return E.results(s), (session_of(args) if hasattr(args, "session") else None)
 
 
@@ -57,12 +65,16 @@ def _in_span(text: str) -> bool:
 def _logits_along(model, prompt, out):
     cfg, g, st = model
     seq = np.array([prompt + out], np.int32)
-    return np.asarray(forward(g, st, jnp.asarray(seq))[0])[0, len(prompt) - 1: len(prompt) - 1 + len(out)]
+    return np.asarray(forward(g, st, jnp.asarray(seq))[0])[
+        0, len(prompt) - 1 : len(prompt) - 1 + len(out)
+    ]
 
 
 @pytest.fixture(scope="module", params=[0, 7])
 def model(request):
-    return F.tiny_model(seed=request.param, scale=30.0)  # large weights: peaked, varied greedy choices
+    return F.tiny_model(
+        seed=request.param, scale=30.0
+    )  # large weights: peaked, varied greedy choices
 
 
 def test_free_text_is_unconstrained_greedy_and_span_tokens_are_the_valid_argmax(model):
@@ -75,7 +87,9 @@ def test_free_text_is_unconstrained_greedy_and_span_tokens_are_the_valid_argmax(
             valid = np.array([F.oracle_valid(prefix, v, spans=True) for v in range(F.MODEL_VOCAB)])
             assert valid[chosen], f"row {r} step {t}: chose an invalid token"
             best_valid = logits[t][valid].max()
-            assert logits[t][chosen] >= best_valid - 1e-5, f"row {r} step {t}: not the argmax of the valid set"
+            assert logits[t][chosen] >= best_valid - 1e-5, (
+                f"row {r} step {t}: not the argmax of the valid set"
+            )
             if _in_span(F.decode(prefix)):
                 span_steps += 1
             else:
@@ -86,14 +100,23 @@ def test_free_text_is_unconstrained_greedy_and_span_tokens_are_the_valid_argmax(
                     assert not valid[free_argmax]
                     deviations += 1
     assert free_steps > 10 and span_steps > 10
-    assert sess.stats.invalid_proposals >= 1  # some proposals were masked (the check is not vacuous)
+    assert (
+        sess.stats.invalid_proposals >= 1
+    )  # some proposals were masked (the check is not vacuous)
     # and literally: the first free stretch equals plain greedy decoding from the same prompt
     plain, _ = _generate(model, PROMPTS, None)
     for toks, ref in zip(out, plain):
         # up to the token that opens the first span, or the first plain-greedy token whose
         # S-straddle cannot parse (the one place CRANE must differ)
-        k = next((t for t in range(min(len(toks), len(ref))) if _in_span(F.decode(toks[:t + 1]))
-                  or not F.oracle_valid(ref[:t], ref[t], spans=True)), min(len(toks), len(ref)))
+        k = next(
+            (
+                t
+                for t in range(min(len(toks), len(ref)))
+                if _in_span(F.decode(toks[: t + 1]))
+                or not F.oracle_valid(ref[:t], ref[t], spans=True)
+            ),
+            min(len(toks), len(ref)),
+        )
         assert toks[:k] == ref[:k]
 
 
@@ -105,7 +128,7 @@ def test_every_terminated_span_parses_where_unconstrained_rarely_does():
         for t in texts:
             i = 0
             while (k := t.find("<<", i)) >= 0 and (e := t.find(">>", k + 2)) >= 0:
-                closed.append(t[k:e + 2])
+                closed.append(t[k : e + 2])
                 i = e + 2
         return closed
 
@@ -133,9 +156,12 @@ def test_disallowed_variables_never_appear_in_a_span():
                 found |= gsm_symbolic.variables_in(s)
         return found
 
-    restricted = Constraint("lark", gsm_symbolic.answer_grammar(["a", "ab"]), start="<<", end=">>",
-                            tokenizer=F.VOCAB)
-    free_grammar = Constraint("lark", gsm_symbolic.answer_grammar(None), start="<<", end=">>", tokenizer=F.VOCAB)
+    restricted = Constraint(
+        "lark", gsm_symbolic.answer_grammar(["a", "ab"]), start="<<", end=">>", tokenizer=F.VOCAB
+    )
+    free_grammar = Constraint(
+        "lark", gsm_symbolic.answer_grammar(None), start="<<", end=">>", tokenizer=F.VOCAB
+    )
     out, _ = _generate(model, prompts, restricted, temperature=1.0, seed=2, n=48)
     assert span_vars(out) <= {"a", "ab"}
     out_free, _ = _generate(model, prompts, free_grammar, temperature=1.0, seed=2, n=48)
