@@ -4,6 +4,7 @@
     python -m pallasite.benchmarks.crane                    # + FOLIO task, more problems
     python -m pallasite.benchmarks.crane --smollm2          # SmolLM2-135M-Instruct few-shot (slow on CPU)
     python -m pallasite.benchmarks.crane --json-schema      # tool-call JSON on SmolLM2: valid-output rate
+    python -m pallasite.benchmarks.crane --masking          # CRANE: opportunistic vs always-mask (+ overlap)
     python -m pallasite.benchmarks.crane_engines            # llguidance vs XGrammar: compile / mask times
 
 The task models are ``pallasite train`` runs of ``configs/crane/{gsm,folio}.py`` in ``--models``
@@ -116,6 +117,7 @@ def run_task(
     max_new_tokens: int,
     batch_size: int,
     opportunistic=True,
+    overlap=True,
 ):
     from pallasite.eval.tasks.traces import EVAL_SEED
     from pallasite.inference.constrained.crane import generate_modes
@@ -132,6 +134,7 @@ def run_task(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         opportunistic=opportunistic,
+        overlap=overlap,
     )
     rows = {}
     for mode, r in res.items():
@@ -144,6 +147,7 @@ def run_task(
             stats=r.stats,
             errors=r.row_errors,
             example=r.texts[0],
+            texts=r.texts,
         )
     return rows
 
@@ -263,6 +267,53 @@ def json_schema_example(n: int, max_new_tokens: int):
     return out
 
 
+# ----------------------------------------------------------------------------- masking modes
+
+
+def masking_modes(model, n: int, seed: int, batch_size: int) -> dict:
+    """CRANE on the GSM task under the three masking modes: opportunistic (check the proposal,
+    mask only invalid rows), always-mask, always-mask with the mask computed on a host thread
+    during the forward pass. Greedy completions must be identical; the host costs differ."""
+    task = dict(gsm_task(), modes=("crane",))
+    out = {}
+    for name, opp, overlap in (
+        ("opportunistic", True, True),
+        ("always", False, False),
+        ("always_overlap", False, True),
+    ):
+        r = run_task(
+            task,
+            model,
+            n,
+            seed=seed,
+            max_new_tokens=160,
+            batch_size=batch_size,
+            opportunistic=opp,
+            overlap=overlap,
+        )["crane"]
+        out[name] = r
+    print(
+        f"\ngsm CRANE masking modes (n={n}): mode | accuracy | wall s | mask ms/step | "
+        "host ms/step | device wait s | rows masked"
+    )
+    for name, r in out.items():
+        st = r["stats"]
+        print(
+            f"  {name:15s} | {r['acc']:.3f} | {r['seconds']:.1f} | {st['mask_ms_per_step']:.3f} | "
+            f"{st['host_ms_per_step']:.3f} | {st['wait_s']:.2f} | {st['mask_rows']}"
+        )
+    same = all(r["texts"] == out["opportunistic"]["texts"] for r in out.values())
+    print(f"  identical completions in the three modes: {same}")
+    summary = {"n": n, "seed": seed, "identical_completions": same}
+    for name, r in out.items():
+        st = r["stats"]
+        summary[f"{name}_mask_ms_per_step"] = round(st["mask_ms_per_step"], 4)
+        summary[f"{name}_host_ms_per_step"] = round(st["host_ms_per_step"], 4)
+        summary[f"{name}_wait_s"] = round(st["wait_s"], 3)
+        summary[f"{name}_seconds"] = round(r["seconds"], 2)
+    return summary
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -289,7 +340,20 @@ def main(argv=None):
         "--json-schema", action="store_true", help="only the SmolLM2 tool-call JSON example"
     )
     ap.add_argument("--batch-size", type=int, default=48)
+    ap.add_argument(
+        "--masking",
+        action="store_true",
+        help="only CRANE on the GSM task under opportunistic / always / always+overlap masking",
+    )
     a = ap.parse_args(argv)
+
+    if a.masking:
+        import pallasite
+
+        model = pallasite.load(ensure_model("gsm", a.models))
+        summary = masking_modes(model, a.n or 48, a.seed, a.batch_size)
+        print(json.dumps(summary))
+        return summary
 
     if a.json_schema:
         res = json_schema_example(8, 96)
