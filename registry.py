@@ -7,8 +7,9 @@
 One ``Registry`` per seam: ``FFN`` (``ModelConfig.ffn``), ``LINEAR`` (``.linear``), ``KV_CACHE``
 (``.kv_cache`` / generation), ``ATTENTION`` (``.attention_impl``), ``DECODE_STRATEGY``, ``LOSS``
 (``config.train.loss``), the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``, and ``CONSTRAINT``
-(grammar kinds of ``GenerationConfig.constraint``). A kind may carry a sub-config class: the seam's ``*_config`` field must be
-an instance of it, and a mapping is validated into one (unknown fields are named).
+(grammar kinds of ``GenerationConfig.constraint``). A kind may carry a sub-config class: the
+seam's ``*_config`` field must be an instance of it, and a mapping is validated into one (unknown
+fields are named).
 
 The built-in kinds are found lazily through ``BUILTIN_KINDS`` (kind -> the module that registers
 it, imported by name on first use): this module imports nothing from the package but
@@ -192,5 +193,6 @@ def lookup(seam: str) -> Registry:
 
 
 __all__ = ["Registry", "Entry", "UnknownKindError", "BUILTIN_KINDS", "FFN", "LINEAR", "KV_CACHE", "ATTENTION",
-           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "CONSTRAINT", "REGISTRIES", "lookup", "config_from_mapping", "config_to_dict"]
+           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "CONSTRAINT", "REGISTRIES", "lookup",
+           "config_from_mapping", "config_to_dict"]
 
