@@ -38,8 +38,9 @@ def test_offloaded_moe_paths_equal_the_resident_moe(batch):
     assert host.w[0][...].sharding.memory_kind == MD.HOST_MEMORY_KIND  # in the host memory space
     got_host = np.asarray(jax.jit(lambda x: host(x)[0])(x))
     stats = {"buffer_bytes": 0, "unique_bytes": 0, "unique_experts": 0, "calls": 0}
-    hx = X.HostExperts(None if ffn.w_gate is None else ffn.w_gate[...], ffn.w_up[...], ffn.w_down[...],
-                       min(m.num_experts, batch * m.top_k), stats)
+    gate = None if ffn.w_gate is None else ffn.w_gate[...]
+    slots = min(m.num_experts, batch * m.top_k)
+    hx = X.HostExperts(gate, ffn.w_up[...], ffn.w_down[...], slots, stats)
     cb = X.OffloadedMoE(ffn, hx, m.top_k, m.norm_topk_prob, model.cfg.hidden_act, jnp.float32)
     got_cb = np.asarray(jax.jit(lambda x: cb(x)[0])(x))
     assert np.all(np.isfinite(want)) and np.abs(want).max() > 1e-4
@@ -54,15 +55,17 @@ def test_decode_refuses_llamacpp_without_its_gguf_and_layers_without_the_shape(c
     with pytest.raises(SystemExit, match="needs the GGUF"):
         D._maybe_llamacpp(args, cfg, None, "random weights", False, 4, 1, ["float32"], lambda: 1.0)
     args.llamacpp = "auto"  # auto: no table, and the output says why
-    out = D._maybe_llamacpp(args, cfg, None, "random weights", False, 4, 1, ["float32"], lambda: 1.0)
+    out = D._maybe_llamacpp(args, cfg, None, "random weights", False, 4, 1, ["float32"],
+                            lambda: 1.0)
     assert out["llamacpp"].startswith("left out") and "LEFT OUT" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--layers applies to --model llama3-8b-shape only"):
         D.main(["--layers", "2", "--no-torch"])
 
 
 def test_llama3_shape_random_state_is_bf16_random_with_unit_norms():
-    cfg = ModelConfig(**{**D.LLAMA3_8B, "vocab_size": 128, "d_model": 64, "n_layers": 1, "n_heads": 4,
-                         "n_kv_heads": 2, "d_ff": 96}).replace(dtype="bfloat16", param_dtype="bfloat16")
+    small = {"vocab_size": 128, "d_model": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
+             "d_ff": 96}
+    cfg = ModelConfig(**{**D.LLAMA3_8B, **small}).replace(dtype="bfloat16", param_dtype="bfloat16")
     leaves = jax.tree.leaves(D.random_state(cfg))
     assert leaves and all(a.dtype == jnp.bfloat16 for a in leaves)
     mats = [np.asarray(a, np.float32) for a in leaves if a.ndim >= 2]
