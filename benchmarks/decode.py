@@ -359,6 +359,16 @@ def llama_cpp_runner(path, prompt, n_new, threads):
                           n_ubatch=max(len(prompt), 8), n_threads=threads, n_threads_batch=threads,
                           logits_all=False, verbose=False, seed=0)
 
+    n_vocab = llm.n_vocab()
+
+    def last_argmax():
+        # llama-cpp-python 0.3 no longer copies logits into ``Llama.scores`` unless logits_all
+        # (which would copy every prompt row and slow its prefill): read the context's last row
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        if not ptr:
+            raise RuntimeError("llama.cpp returned no logits for the last token")
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
     def prefill():
         llm.reset()
         t0 = time.perf_counter()
@@ -366,11 +376,11 @@ def llama_cpp_runner(path, prompt, n_new, threads):
         return time.perf_counter() - t0
 
     def decode():
-        toks = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        toks = [last_argmax()]
         t0 = time.perf_counter()
         for _ in range(n_new - 1):
             llm.eval([toks[-1]])
-            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            toks.append(last_argmax())
         return time.perf_counter() - t0, toks
 
     return prefill, decode
