@@ -551,17 +551,22 @@ def llama3_shape_bench(args, n_new, reps, bw_bytes, on_gpu):
 def matvec_bench(n=4096, reps=10):
     """How fast XLA reads a weight matrix in a batch-1 mat-vec, per storage dtype: y = x @ W with
     W [n, n] stored as float32, bfloat16 or int8 (+ a per-column float32 scale), x float32 [1, n],
-    the dequantisation inside the same jitted graph (what the decode step does). GB/s = stored
+    the dequantisation inside the same jitted graph (convert, then a float32 dot), plus the bf16
+    dot with float32 accumulation that ``models/layers.py`` uses (``bfloat16_dot_f32acc``). GB/s = stored
     bytes of W / best time. A decode step is this mat-vec over every weight, so the ratio of a
     dtype's rate to float32's bounds what storing weights in that dtype can buy."""
     x = jax.random.normal(jax.random.key(0), (1, n), jnp.float32)
     w32 = 0.02 * jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     scale = jnp.max(jnp.abs(w32), axis=0) / 127
     stored = {"float32": (w32, None), "bfloat16": (w32.astype(jnp.bfloat16), None),
+              "bfloat16_dot_f32acc": (w32.astype(jnp.bfloat16), "bf16dot"),
               "int8": (jnp.round(w32 / scale).astype(jnp.int8), scale)}
     rows, out = [], {"matvec_n": n}
     for name, (w, sc) in stored.items():
-        if sc is None:
+        if isinstance(sc, str):  # what models/layers.py does: bf16 operands, float32 accumulation
+            f = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
+            args = (x, w)
+        elif sc is None:  # converted to float32 in the graph, then a float32 dot
             f = jax.jit(lambda x, w: jnp.dot(x, w.astype(jnp.float32)))
             args = (x, w)
         else:
