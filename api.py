@@ -50,7 +50,16 @@ class Model:
     @functools.cached_property
     def _logits_fn(self):
         graphdef = self.graphdef
-        return jax.jit(lambda state, ids: forward(graphdef, state, ids)[0])
+        return jax.jit(lambda state, ids, cache: forward(graphdef, state, ids, cache=cache)[0])
+
+    def _scoring_cache(self, batch: int, length: int):
+        """The model's own KV cache kind for scoring when it is not the dense one (a 4-bit cache
+        changes the numbers: a W4A4KV4 model is scored with its KV quantization), else None."""
+        if self.config.kv_cache == "dense":
+            return None
+        from pallasite.inference.engine import make_cache_factory
+
+        return make_cache_factory(self.config, GenerationConfig(), self)(self.config, batch, length)
 
     def logits(self, ids) -> jax.Array:
         """float32 logits [batch, seq, vocab] for an int array of token ids ([seq] or [batch, seq])."""
@@ -65,7 +74,7 @@ class Model:
             raise ValueError(
                 f"token ids must lie in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]"
             )
-        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32))
+        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), self._scoring_cache(*ids.shape))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

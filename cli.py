@@ -6,6 +6,7 @@
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
+    pallasite quantize --model PATH --output DIR --method flatquant|hadamard|rtn|smoothquant  (W4A4KV4)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
@@ -237,6 +238,9 @@ def main(argv=None):
             p.add_argument("--seq-len", type=int, default=512)
             p.add_argument("--max-windows", type=int, default=64)
         p.set_defaults(fn=fn)
+
+    from pallasite.training import quantize as quantize_cmd
+    quantize_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     args.kind_options = kind_options

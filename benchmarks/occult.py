@@ -2,7 +2,7 @@
 parallelism, Occult dispatch, Occult + collaboration-aware placement, and + collaboration
 pruning (N_d' = 2), on the routing of a *trained* MoE.
 
-    python -m pallasite.benchmarks.occult --quick
+    python -m pallasite.benchmarks.occult --quick [--seed 0]
 
 Routing source: a small MoE (byte-level, d=64, 2 layers, 32 experts, top-4 — top-k ≥ 4 as
 the issue asks) trained by ``models/occult_finetune.train`` on the Python stdlib sources. It
@@ -53,16 +53,17 @@ def base_config() -> ModelConfig:
                        ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32))
 
 
-def _cache_path(steps: int) -> str:
+def _cache_path(steps: int, seed: int = 0) -> str:
     root = os.environ.get("PALLASITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pallasite"))
     os.makedirs(root, exist_ok=True)
-    return os.path.join(root, f"occult_moe_e32k4_d64_s{steps}.npz")
+    return os.path.join(root, f"occult_moe_e32k4_d64_s{steps}" + (f"_seed{seed}" if seed else "") + ".npz")
 
 
-def trained_moe(steps: int, data, log=print):
-    """(graphdef, state, info) of the trained MoE; loads the cache when present."""
+def trained_moe(steps: int, data, log=print, seed: int = 0):
+    """(graphdef, state, info) of the trained MoE (init and data order from ``seed``); loads the
+    cache when present."""
     cfg = base_config()
-    path = _cache_path(steps)
+    path = _cache_path(steps, seed)
     abs_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abs_model)
     keys = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(abs_state)]
@@ -73,10 +74,11 @@ def trained_moe(steps: int, data, log=print):
         info["cached"] = True
         return graphdef, nnx.from_flat_state(flat), info
     t0 = time.time()
-    gd, params, rest, losses = ft.train(cfg, steps=steps, batch=16, seq_len=128, lr=3e-3, data=data,
+    gd, params, rest, losses = ft.train(cfg, steps=steps, batch=16, seq_len=128, lr=3e-3, data=data, seed=seed,
                                         log_every=max(1, steps // 4))
     state = nnx.state(nnx.merge(gd, params, rest))
-    info = {"train_steps": steps, "final_train_ce": float(np.mean(losses[-10:])), "train_s": round(time.time() - t0, 1)}
+    info = {"train_steps": steps, "seed": seed, "final_train_ce": float(np.mean(losses[-10:])),
+            "train_s": round(time.time() - t0, 1)}
     flat = dict(("/".join(map(str, p)), np.asarray(v[...])) for p, v in nnx.to_flat_state(state))
     assert set(flat) == set(keys)
     np.savez(path, __info__=json.dumps(info), **flat)
@@ -127,6 +129,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--train_steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the trained MoE (init, data order) and of the profiling / held-out windows")
     args = ap.parse_args(argv)
     quick = args.quick
     t_start = time.time()
@@ -141,7 +145,8 @@ def main(argv=None):
     train_data = ft.stdlib_bytes("train", 3_000_000)
     eval_data = ft.stdlib_bytes("eval", 400_000)
 
-    graphdef, state, info = trained_moe(steps, train_data)
+    seed = args.seed
+    graphdef, state, info = trained_moe(steps, train_data, seed=seed)
     base_eval = _eval(graphdef, state, eval_data, 4 if quick else 16)
     routing_source = (f"pallasite MoE (byte-level, d=64, 2 layers, {m.num_experts} experts, top-{m.top_k}) trained "
                       f"{info['train_steps']} steps on Python stdlib sources by models/occult_finetune.train "
@@ -149,7 +154,7 @@ def main(argv=None):
     print(f"routing source: {routing_source}  [cached={info['cached']}]")
 
     # ---- profiling (train windows) → co-activation → placements
-    it = ft.byte_batches(train_data, 16, 128, seed=7)
+    it = ft.byte_batches(train_data, 16, 128, seed=7 + 100 * seed)
     prof = occult.profile_routing(graphdef, state, [next(it)[:, :-1] for _ in range(prof_batches)])
     coact = np.stack([occult.coactivation(e, m.num_experts) for e in prof["experts"]])
     placements = {
@@ -161,7 +166,7 @@ def main(argv=None):
                      zip(occult.layer_expert_weights(state), prof["inputs"])])
 
     # ---- held-out routing: CT and bytes per placement (bytes per layer, summed over layers)
-    it_eval = ft.byte_batches(eval_data, 16, 128, seed=11)
+    it_eval = ft.byte_batches(eval_data, 16, 128, seed=11 + 100 * seed)
     eval_tokens = [next(it_eval)[:, :-1] for _ in range(2 if quick else 8)]
     held = occult.profile_routing(graphdef, state, eval_tokens)
     comm = {}
@@ -295,6 +300,7 @@ def main(argv=None):
         "base_eval_ce": round(base_eval, 4),
         "finetune_steps": ft_steps,
         "quick": quick,
+        "seed": seed,
         "wall_s": round(time.time() - t_start, 1),
     }
     print(json.dumps(result))
