@@ -43,6 +43,11 @@ class Model:
     path: Optional[str] = None
 
     def __post_init__(self):
+        if self.config.ffn == "moe" and getattr(self.config.ffn_config, "placement", None):  # Occult placement
+            from pallasite.models.occult import apply_config_placement
+
+            self.config, self.state = apply_config_placement(self.config, self.state, self.path)
+            self.graphdef = None
         if self.graphdef is None:
             self.graphdef = nnx.split(abstract_model(self.config))[0]
 

@@ -7,6 +7,8 @@
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
     pallasite quantize --model PATH --output DIR --method flatquant|hadamard|rtn|smoothquant  (W4A4KV4)
+    pallasite catekv-calibrate --model PATH [--r 0.4]   (CateKV head mask next to the model)
+    pallasite occult-place --model MOE --output DIR --devices 8   (Occult expert placement)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
@@ -239,8 +241,12 @@ def main(argv=None):
             p.add_argument("--max-windows", type=int, default=64)
         p.set_defaults(fn=fn)
 
+    from pallasite.inference.cache import catekv_calibrate
+    from pallasite.models import occult_place
     from pallasite.training import quantize as quantize_cmd
     quantize_cmd.add_parser(sub)
+    catekv_calibrate.add_parser(sub)
+    occult_place.add_parser(sub)
 
     args = parser.parse_args(argv)
     args.kind_options = kind_options

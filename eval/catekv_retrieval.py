@@ -21,7 +21,6 @@ tracking). ``run`` returns per-prompt scores and one-sided sign tests over promp
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Optional
@@ -29,119 +28,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
-from pallasite.inference.cache.base import KVCache
-from pallasite.inference.cache.catekv import init_catekv_cache, memory_report
+from pallasite.inference.cache.catekv import memory_report
+from pallasite.inference.cache.catekv_calibrate import build_hybrid, cv_of_prompts, lines_prompt, prefill
 from pallasite.inference.cache.catekv_mask import calibrate_head_mask
 from pallasite.inference.cache.catekv_select import CateKVConfig
-from pallasite.inference.cache.dense import DenseKVCache, init_dense_cache
 from pallasite.models.transformer import abstract_model, forward
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-HEAD = "Read the text and remember every secret line in it.\n"
-TAIL = "\nThat is the end of the text.\n"
-# names that are one token each after " " in the SmolLM2 tokenizer (checked by ``lines_prompt``)
-NAMES = ("red", "blue", "green", "black", "white", "gold", "silver", "pink", "brown", "gray", "orange", "purple")
-
-
-def _enc(tokenizer, s: str) -> list[int]:
-    return list(tokenizer.encode(s, add_special_tokens=False))
-
-
-def lines_prompt(tokenizer, n_tokens: int, n_needles: int, rng: np.random.Generator):
-    """(prompt ids of exactly ``n_tokens``, [(query ids, answer ids)] one per needle). Needles sit at
-    sorted random depths in [0.05, 0.95] of the filler, with distinct names and 5-digit keys."""
-    if not 1 <= n_needles <= len(NAMES):
-        raise ValueError(f"lines_prompt: n_needles={n_needles} must be in [1, {len(NAMES)}]")
-    names = rng.choice(len(NAMES), n_needles, replace=False)
-    keys = rng.integers(10000, 99999, n_needles)
-    needles, queries = [], []
-    for j, k in zip(names, keys):
-        needles.append(_enc(tokenizer, f"\n### LINE {NAMES[j]}: {k} ###\n"))
-        query, answer = _enc(tokenizer, f"### LINE {NAMES[j]}:"), _enc(tokenizer, f" {k}")
-        if len(query) != 5 or len(answer) != 6:
-            raise ValueError(f"lines_prompt: the tokenizer splits name {NAMES[j]!r} or key {k} unexpectedly "
-                             f"({len(query)} query / {len(answer)} answer tokens; expected 5 / 6)")
-        queries.append((query, answer))
-    head, tail, filler = _enc(tokenizer, HEAD), _enc(tokenizer, TAIL), _enc(tokenizer, FILLER * 8)
-    n_fill = n_tokens - len(head) - len(tail) - sum(map(len, needles))
-    if n_fill < n_needles:
-        raise ValueError(f"lines_prompt: {n_tokens} tokens cannot hold {n_needles} needles and the fixed text")
-    body = (filler * (-(-n_fill // len(filler))))[:n_fill]
-    cuts = np.sort(rng.uniform(0.05, 0.95, n_needles) * n_fill).astype(int)
-    ids, at = list(head), 0
-    for cut, needle in zip(cuts, needles):
-        ids += body[at:cut] + needle
-        at = cut
-    ids += body[at:] + tail
-    assert len(ids) == n_tokens, (len(ids), n_tokens)
-    return ids, queries
-
-
-# ----------------------------------------------------------------------------- prefill + caches
-@struct.dataclass
-class _QRecorder(KVCache):
-    """Dense cache that also returns the queries of the call (to build CateKV after prefill)."""
-    k: jax.Array
-    v: jax.Array
-    q: jax.Array  # [L, B, T, H, D]
-
-    def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, **kw):
-        out, dense = DenseKVCache(self.k, self.v).update_and_attend(q_BTHD, k_BTKD, v_BTKD, positions_BT, **kw)
-        return out, _QRecorder(dense.k, dense.v, q_BTHD.astype(self.q.dtype))
-
-
-def prefill(graphdef, state, cfg, ids_BN: np.ndarray, *, capacity: int, chunk: int, last_q: int = 64):
-    """Dense prefill of equal-length prompts in chunks: (dense cache, q_last [L, B, last_q, H, D])."""
-    B, N = ids_BN.shape
-    if (N - last_q) % chunk:
-        raise ValueError(f"prefill: {N} - {last_q} tokens is not a multiple of chunk={chunk}")
-    tokens = jnp.asarray(ids_BN, jnp.int32)
-    cache = init_dense_cache(cfg, B, capacity)
-
-    @jax.jit
-    def run_chunk(state, cache, toks, start):
-        pos = jnp.broadcast_to(start + jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
-        return forward(graphdef, state, toks, pos, cache=cache)[1]
-
-    for s in range(0, N - last_q, chunk):
-        cache = run_chunk(state, cache, tokens[:, s:s + chunk], jnp.int32(s))
-
-    @jax.jit
-    def run_last(state, cache, toks):
-        rec = _QRecorder(cache.k, cache.v, jnp.zeros((cfg.n_layers, B, last_q, cfg.n_heads, cfg.dh), cfg.dtype))
-        pos = jnp.broadcast_to(N - last_q + jnp.arange(last_q, dtype=jnp.int32), toks.shape)
-        _, rec, _ = forward(graphdef, state, toks, pos, cache=rec)
-        return DenseKVCache(rec.k, rec.v), rec.q
-
-    return run_last(state, cache, tokens[:, N - last_q:])
-
-
-def build_hybrid(cfg, dense: DenseKVCache, q_last_LBQHD, n_prompt: int, mask_LK, ccfg: CateKVConfig, new_tokens: int):
-    """CateKV cache for every layer from a dense prefill (per-layer ``CateKVCache.fill``)."""
-    B = dense.k.shape[1]
-    cache = init_catekv_cache(cfg, B, dense.capacity, mask_LK, catekv_cfg=ccfg, max_new_tokens=new_tokens)
-    for i in range(cfg.n_layers):
-        # the dense cache is head-major [L, B, K, S, D]; the fill takes the prompt slot-major [B, N, K, D]
-        k_BNKD = jnp.swapaxes(dense.k[i, :, :, :n_prompt], 1, 2)
-        v_BNKD = jnp.swapaxes(dense.v[i, :, :, :n_prompt], 1, 2)
-        cache = _fill_layer(cache, jnp.int32(i), q_last_LBQHD[i], k_BNKD, v_BNKD)
-    return cache
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _fill_layer(cache, i, q_last_BQHD, k_BTKD, v_BTKD):
-    """Layer i of the hybrid cache from its prompt K/V (the pools are shared by all layers)."""
-    lengths = jnp.full((k_BTKD.shape[0],), k_BTKD.shape[1], jnp.int32)
-    return cache.with_layer(i, cache.layer(i).fill(q_last_BQHD, k_BTKD, v_BTKD, lengths))
-
-
-def cv_of_prompts(cfg, dense, q_last, n_prompt, ccfg) -> np.ndarray:
-    """[B, L, K] CV of every head on each prompt (all heads adaptive: the fill computes CV only)."""
-    probe = build_hybrid(cfg, dense, q_last, n_prompt, np.ones((cfg.n_layers, cfg.n_kv_heads), bool), ccfg, 0)
-    return np.swapaxes(np.asarray(probe.cv), 0, 1)
-
 
 _STEP_FNS: dict = {}
 
@@ -198,9 +91,11 @@ def sign_test_greater(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def run(model, *, n_eval: int = 16, n_calib: int = 4, context: int = 1024, n_needles: int = 4, r: float = 0.4,
-        ccfg: Optional[CateKVConfig] = None, chunk: int = 480, batch: int = 4, seed: int = 0, log=print) -> dict:
-    """Calibrate a mask on ``n_calib`` prompts, then score ``n_eval`` held-out prompts (``batch``
-    at a time) with every cache variant. ``model``: (cfg, state, tokenizer)."""
+        ccfg: Optional[CateKVConfig] = None, chunk: int = 480, batch: Optional[int] = None, seed: int = 0,
+        log=print) -> dict:
+    """Calibrate a mask on ``n_calib`` prompts (one batch), then score ``n_eval`` held-out prompts
+    (``batch`` at a time, default all at once) with every cache variant. ``model``: (cfg, state,
+    tokenizer)."""
     cfg, state, tok = model
     ccfg = ccfg or CateKVConfig(budget=128, init_tokens=16, recent_tokens=64, adaptive_ratio=r)
     graphdef = nnx.split(abstract_model(cfg))[0]
@@ -209,13 +104,13 @@ def run(model, *, n_eval: int = 16, n_calib: int = 4, context: int = 1024, n_nee
     rng = np.random.default_rng(seed)
     t0 = time.time()
 
-    def batches(n):
-        for start in range(0, n, batch):
-            rows = [lines_prompt(tok, context, n_needles, rng) for _ in range(min(batch, n - start))]
+    def batches(n, size):
+        for start in range(0, n, size):
+            rows = [lines_prompt(tok, context, n_needles, rng) for _ in range(min(size, n - start))]
             yield np.asarray([ids for ids, _ in rows], np.int32), [q for _, q in rows]
 
     cvs = []
-    for ids, _ in batches(n_calib):
+    for ids, _ in batches(n_calib, n_calib):
         dense, q_last = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
         cvs.append(cv_of_prompts(cfg, dense, q_last, context, ccfg))
     cvs = np.concatenate(cvs)
@@ -225,23 +120,26 @@ def run(model, *, n_eval: int = 16, n_calib: int = 4, context: int = 1024, n_nee
     window = CateKVConfig(budget=streaming_budget(context, r, ccfg), init_tokens=ccfg.init_tokens,
                           recent_tokens=ccfg.recent_tokens, chunk_size=ccfg.chunk_size, adaptive_ratio=0.0,
                           selection="recent")
-    fixed = {"catekv": (mask, ccfg), "inverted": (calibrate_head_mask(-cvs, r), ccfg),
-             "window": (np.zeros_like(mask), window)}
-    scores = {name: [] for name in ("full", *fixed, "random")}
-    for ids, queries in batches(n_eval):
+    variants = {"catekv": (mask, ccfg), "inverted": (calibrate_head_mask(-cvs, r), ccfg),
+                "random": (random_mask(mask.shape, n_adaptive, rng), ccfg), "window": (np.zeros_like(mask), window)}
+    scores = {name: [] for name in ("full", *variants)}
+    for ids, queries in batches(n_eval, batch or n_eval):
+        t1 = time.time()
         dense, q_last = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
-        variants = {**fixed, "random": (random_mask(mask.shape, n_adaptive, rng), ccfg)}
         out = {"full": answer_needles(graphdef, state, dense, queries, context)}
+        log(f"  prefill + full cache {time.time() - t1:.0f}s")
         for name, (m, c) in variants.items():
+            t1 = time.time()
             hybrid = build_hybrid(cfg, dense, q_last, context, m, c, new_tokens)
             out[name] = answer_needles(graphdef, state, hybrid, queries, context)
+            log(f"  {name} {time.time() - t1:.0f}s")
         for name, ok in out.items():
             scores[name].extend(ok.mean(axis=1).tolist())  # per prompt: fraction of needles retrieved
         log(f"eval {len(scores['full'])}/{n_eval}: " + ", ".join(f"{k} {np.mean(v):.3f}" for k, v in scores.items())
             + f" ({time.time() - t0:.0f}s)")
     mem = {name: memory_report(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.dh, context=context,
                                adaptive_ratio=float(m.mean()), catekv_cfg=c, head_mask_LK=m)
-           for name, (m, c) in {**fixed, "random": (random_mask(mask.shape, n_adaptive, rng), ccfg)}.items()}
+           for name, (m, c) in variants.items()}
     per_prompt = {k: np.asarray(v) for k, v in scores.items()}
     return {
         "task": f"lines: {n_needles} needles at {context} tokens, asked at decode time", "context": context,

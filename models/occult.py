@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from typing import Any, Iterable, Optional, Sequence
 
 import jax
@@ -116,6 +117,41 @@ def greedy_placement_layer(coact_EE: np.ndarray, num_devices: int) -> np.ndarray
 def greedy_placement(coact_LEE, num_devices: int) -> Placement:
     coact_LEE = np.asarray(coact_LEE)
     return Placement.from_array(np.stack([greedy_placement_layer(c, num_devices) for c in coact_LEE]), num_devices)
+
+
+PLACEMENT_FILE = "occult_placement.json"
+
+
+def save_placement(path: str, placement: Placement) -> str:
+    with open(path, "w") as f:
+        f.write(placement.to_json())
+    return path
+
+
+def load_placement(path: str) -> Placement:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Occult placement file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:
+        return Placement.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not an Occult placement (JSON with 'perm' [layers][experts] and "
+                         f"'num_devices'): {e}") from None
+
+
+def apply_config_placement(cfg, state, folder: Optional[str] = None):
+    """(cfg, state) with ``cfg.ffn_config.placement`` applied: experts and router columns permuted
+    once, and the config's ``placement`` cleared (the weights are now in placed order, so saving
+    the model keeps them placed and a reload does not permute twice). Unchanged without one."""
+    mcfg = getattr(cfg, "ffn_config", None)
+    if cfg.ffn != "moe" or getattr(mcfg, "placement", None) is None:
+        return cfg, state
+    path = mcfg.placement
+    if not os.path.isabs(path) and folder:
+        path = os.path.join(folder, path)
+    placed = apply_placement(state, load_placement(path))
+    return cfg.replace(ffn_config=dataclasses.replace(mcfg, placement=None)), placed
 
 
 # ----------------------------------------------------------------------------- state traversal

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from pallasite.inference.cache.base import KVCache
-from pallasite.inference.cache.catekv_mask import load_head_mask
+from pallasite.inference.cache.catekv_mask import MASK_FILE, load_head_mask
 from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_scores, classify_heads, kept_indices,
                                                       middle_attention)
 from pallasite.ops.attention import attention
@@ -106,14 +106,20 @@ class CateKVCache(KVCache):
     def create(cls, model_cfg, batch_size: int, max_len: int, *, config: Optional[CateKVConfig] = None,
                model=None) -> "CateKVCache":
         """The hybrid cache for serving: the head mask comes from ``config.head_mask`` (a file written
-        by ``catekv_mask.save_head_mask``; a relative path is looked up in the model's folder)."""
+        by ``pallasite catekv-calibrate``; a relative path is looked up in the model's folder), by
+        default ``catekv_head_mask.json`` in the model's folder."""
         config = config or CateKVConfig()
-        if config.head_mask is None:
-            raise ValueError("kv_cache='catekv' needs a head mask: set kv_cache_config.head_mask to the file "
-                             "written by CateKV calibration (pallasite.inference.cache.catekv_mask.save_head_mask)")
+        folder = getattr(model, "path", None)
         path = config.head_mask
-        if not os.path.isabs(path) and getattr(model, "path", None):
-            path = os.path.join(model.path, path)
+        if path is None:
+            if not folder or not os.path.exists(os.path.join(folder, MASK_FILE)):
+                where = f"in {folder}" if folder else "(the model has no folder)"
+                raise ValueError(f"kv_cache='catekv' needs a head mask: none given and no {MASK_FILE} {where}. "
+                                 "Write one with `pallasite catekv-calibrate --model MODEL` or pass "
+                                 "kv_cache_config.head_mask (CLI: --catekv.head_mask FILE)")
+            path = MASK_FILE
+        if not os.path.isabs(path) and folder:
+            path = os.path.join(folder, path)
         mask = load_head_mask(path, model_cfg, adaptive_ratio=config.adaptive_ratio)
         return init_catekv_cache(model_cfg, batch_size, max_len, mask, catekv_cfg=config)
 

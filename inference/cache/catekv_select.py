@@ -79,9 +79,12 @@ def middle_attention(q_last_BQHD, k_BSKD, lengths_B, cfg: CateKVConfig):
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     G = H // K
     C, init = cfg.chunk_size, cfg.init_tokens
-    n_slots = max((S - init) // C, 0)
+    # at least one (then invalid) chunk slot: a prompt shorter than init + one chunk has no middle
+    n_slots = max((S - init) // C, 1)
     M = n_slots * C
     k_mid = k_BSKD[:, init:init + M]
+    if k_mid.shape[1] < M:
+        k_mid = jnp.pad(k_mid, ((0, 0), (0, M - k_mid.shape[1]), (0, 0), (0, 0)))
     _, mid_end, _ = chunk_geometry(lengths_B, cfg)
     valid_BM = (init + jnp.arange(M))[None, :] < mid_end[:, None]
     q = q_last_BQHD.reshape(B, Q, K, G, D).astype(jnp.float32)
