@@ -173,8 +173,9 @@ def main(argv=None):
     for name, pl in placements.items():
         slot_of = np.argsort(pl.array(), axis=1)  # original expert → slot
         tot = {"bytes_standard": 0, "bytes_occult": 0, "ct": []}
-        for l, e in enumerate(held["experts"]):
-            s = communication_stats(slot_of[l][e], num_experts=m.num_experts, num_devices=N_DEV, d_model=cfg.d_model)
+        for layer, e in enumerate(held["experts"]):
+            s = communication_stats(slot_of[layer][e], num_experts=m.num_experts, num_devices=N_DEV,
+                                    d_model=cfg.d_model)
             check_ct_bounds(s["ct"], m.top_k, m.num_experts, N_DEV)
             tot["bytes_standard"] += s["bytes_standard"]
             tot["bytes_occult"] += s["bytes_occult"]
@@ -217,7 +218,8 @@ def main(argv=None):
     timing, max_abs_diff, pruned_bytes = {}, 0.0, None
     cfg_p2, st_p2 = pruned_states[(2, "similarity")]
     variants = {
-        "standard_ep": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")), state),
+        "standard_ep": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")),
+                        state),
         "occult": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")), state),
         "occult_placement": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")),
                              placed_state),

@@ -64,4 +64,5 @@ def token_streams(tokenizer, texts: list[str], max_tokens: int,
                 break
         return np.asarray(ids[:cap], np.int32)
 
-    return encode(texts[:cut], max_tokens), encode(texts[cut:], max_tokens if max_eval_tokens is None else max_eval_tokens)
+    eval_tokens = max_tokens if max_eval_tokens is None else max_eval_tokens
+    return encode(texts[:cut], max_tokens), encode(texts[cut:], eval_tokens)

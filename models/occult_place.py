@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from pallasite.errors import InputError
 from pallasite.models import occult
 from pallasite.models.occult_accounting import communication_times
 
@@ -40,7 +41,7 @@ def text_windows(tokenizer, text: str, n: int, length: int, seed: int = 0) -> tu
 
     def windows(stream, k):
         if len(stream) < length + 1:
-            raise ValueError(f"occult-place: the text has {len(stream)} tokens, fewer than one window of {length}")
+            raise InputError(f"occult-place: the text has {len(stream)} tokens, fewer than one window of {length}")
         return np.stack([stream[s:s + length] for s in rng.integers(0, len(stream) - length, k)])
 
     return windows(calib, n), windows(held, n_eval)
@@ -82,17 +83,17 @@ def run(args, overrides=None) -> dict:
 
     for name in ("devices", "windows", "seq_len"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"pallasite occult-place: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     t0 = time.time()
     model = pallasite.load(args.model)
     cfg = model.config
     if cfg.ffn != "moe":
-        raise SystemExit(f"pallasite occult-place: {args.model!r} is not an MoE model (ffn={cfg.ffn!r})")
+        raise InputError(f"{args.model!r} is not an MoE model (ffn={cfg.ffn!r})")
     E = cfg.ffn_config.num_experts
     if E % args.devices:
-        raise SystemExit(f"pallasite occult-place: --devices {args.devices} does not divide the {E} experts")
+        raise InputError(f"--devices {args.devices} does not divide the {E} experts")
     if model.tokenizer is None:
-        raise SystemExit(f"pallasite occult-place: {args.model!r} has no tokenizer to encode the profiling text")
+        raise InputError(f"{args.model!r} has no tokenizer to encode the profiling text")
     prof, held = text_windows(model.tokenizer, args.text, args.windows, args.seq_len, args.seed)
     placement = placement_for(model, prof, args.devices)
     contiguous = occult.contiguous_placement(placement.num_layers, E, args.devices)
@@ -108,7 +109,8 @@ def run(args, overrides=None) -> dict:
     with open(marker, "w") as f:
         json.dump(meta, f, indent=1)
     summary = {"output": args.output, "placement": occult.PLACEMENT_FILE, "devices": args.devices, "experts": E,
-               "moe_layers": placement.num_layers, "profiling_tokens": int(prof.size), "held_out_tokens": int(held.size),
+               "moe_layers": placement.num_layers, "profiling_tokens": int(prof.size),
+               "held_out_tokens": int(held.size),
                "ct_contiguous": round(ct["contiguous"], 4), "ct_placed": round(ct["placed"], 4),
                "ct_reduction": round(1 - ct["placed"] / ct["contiguous"], 4), "seconds": round(time.time() - t0, 1)}
     print(json.dumps(summary))

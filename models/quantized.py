@@ -4,16 +4,16 @@ Flatness Matters for LLM Quantization", ICML 2025; official code ruikangliu/Flat
 Placement per Llama-style layer (official ``model_tools/llama_utils.py``), with ``kron(L, R)``
 acting on a row-major reshaped token (``x ↦ Lᵀ · reshape(x, n1×n2) · R``):
 
-================  =======================  ==============================================  =========
-transform         size                     where                                            kept as
-================  =======================  ==============================================  =========
-``ln``            kron on d_model, + c      shared input of q/k/v                             online; c → input-norm γ
-``ug``            kron on d_model, + c      shared input of gate/up                           online; c → post-attn-norm γ
-``down``          kron on d_ff, + c         input of down_proj                                online; c → up_proj output columns
-``v``             head_dim × head_dim       v_proj output (so the V cache is transformed)     folded into v_proj
-``o``             n_heads × n_heads         head mixing of the attention output               online; o_proj gets kron(o, v)^{-T}
-``k``             head_dim × head_dim       q (inverse-transpose) and k **after RoPE**        online, in the KV4 cache
-================  =======================  ==============================================  =========
+==========  ========================  ==========================================  ===================================
+transform   size                      where                                       kept as
+==========  ========================  ==========================================  ===================================
+``ln``      kron on d_model, + c      shared input of q/k/v                       online; c → input-norm γ
+``ug``      kron on d_model, + c      shared input of gate/up                     online; c → post-attn-norm γ
+``down``    kron on d_ff, + c         input of down_proj                          online; c → up_proj output columns
+``v``       head_dim × head_dim       v_proj output (the V cache is transformed)  folded into v_proj
+``o``       n_heads × n_heads         head mixing of the attention output         online; o_proj gets kron(o, v)^{-T}
+``k``       head_dim × head_dim       q (inverse-transpose) and k after RoPE      online, in the KV4 cache
+==========  ========================  ==========================================  ===================================
 
 Weights transform with the inverse-transpose on their input dimension: ``W̃ = (W ⊘ c) · P^{-T}``
 (kernel layout ``[in, out]``: ``W̃ = P^{-1} · diag(1/c) · W``), so ``x̃ W̃ = x W`` exactly before
@@ -61,9 +61,20 @@ from pallasite.models.layers import LinearBase
 from pallasite.models.transformer import abstract_model
 from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4, unpack_weight_int4
 from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref, quantize_rows_packed
-from pallasite.ops.quant.quantizers import (LAC_INIT, NO_CLIP_LOGIT, act_scale_sym, fake_quant_act_sym,
-                                            fake_quant_kv_asym, fake_quant_weight_sym, pack_int4, qrange_sym,
-                                            quantize_act_sym, quantize_weight_sym, round_ste, weight_scale_sym)
+from pallasite.ops.quant.quantizers import (
+    LAC_INIT,
+    NO_CLIP_LOGIT,
+    act_scale_sym,
+    fake_quant_act_sym,
+    fake_quant_kv_asym,
+    fake_quant_weight_sym,
+    pack_int4,
+    qrange_sym,
+    quantize_act_sym,
+    quantize_weight_sym,
+    round_ste,
+    weight_scale_sym,
+)
 from pallasite.registry import LINEAR
 
 QUANT_METHODS = ("rtn", "smoothquant", "hadamard", "flatquant")
@@ -385,7 +396,8 @@ def layer_weights(pure: dict, cfg: ModelConfig, i: int) -> dict:
         try:
             p = lay[mod][sub]
         except KeyError:
-            raise ValueError(f"layer {i}: missing {mod}.{sub}; FlatQuant placement needs q/k/v/o and gate/up/down") from None
+            raise ValueError(f"layer {i}: missing {mod}.{sub}; FlatQuant placement needs q/k/v/o and "
+                             f"gate/up/down") from None
         w[name] = np.asarray(p["kernel"])
         w[name + "_bias"] = None if p.get("bias") is None else np.asarray(p["bias"])
     return w

@@ -47,8 +47,15 @@ import numpy as np
 import optax
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.quantized import (check_quantizable, decompose_dim, fold_layer, kv_transforms, kv_quant_taps,
-                                        layer_weights, quantized_block_params)
+from pallasite.models.quantized import (
+    check_quantizable,
+    decompose_dim,
+    fold_layer,
+    kv_quant_taps,
+    kv_transforms,
+    layer_weights,
+    quantized_block_params,
+)
 from pallasite.ops.quant.quantizers import LAC_INIT
 from pallasite.training.quant_blocks import BlockFn, calibration_config, fp_layers
 

@@ -30,13 +30,29 @@ import numpy as np
 
 from pallasite.inference.cache.kv4 import KV4Config, init_kv4_cache, save_kv_transforms
 from pallasite.models.config import ModelConfig
-from pallasite.models.quantized import (QUANT_METHODS, QuantConfig, build_quantized_state, check_quantizable, decompose_dim,
-                                        fold_layer, kv_quant_taps, kv_transforms, layer_weights, quantized_block_params,
-                                        state_from_pure)
+from pallasite.models.quantized import (
+    QUANT_METHODS,
+    QuantConfig,
+    build_quantized_state,
+    check_quantizable,
+    decompose_dim,
+    fold_layer,
+    kv_quant_taps,
+    kv_transforms,
+    layer_weights,
+    quantized_block_params,
+    state_from_pure,
+)
 from pallasite.ops.quant.hadamard import has_hadamard, random_hadamard
 from pallasite.training.flatquant import Bits, CalibConfig, calibrate, random_orthogonal
-from pallasite.training.quant_blocks import (BlockFn, as_numpy, calibration_config, embed_tokens, fp_layers,
-                                             quantized_layer_inputs)
+from pallasite.training.quant_blocks import (
+    BlockFn,
+    as_numpy,
+    calibration_config,
+    embed_tokens,
+    fp_layers,
+    quantized_layer_inputs,
+)
 
 KV4_TRANSFORMS_FILE = "kv4_transforms.npz"  # written next to a quantized model (KV4Config.transforms)
 
@@ -225,7 +241,8 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
     online = method in ("hadamard", "flatquant")
     qcfg = QuantConfig(method=method, w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, online_transform=online, impl=impl,
                        share_inputs=share_inputs and online)
-    folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16) for i, t in enumerate(resolved)]
+    folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16)
+              for i, t in enumerate(resolved)]
     wq = None
     if weight_quantizer == "gptq" and w_bits < 16:
         hess = gptq_hessians(cfg, pure, resolved, calib_tokens, bits, batch=ccfg.batch)

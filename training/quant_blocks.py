@@ -84,8 +84,9 @@ def fp_layers(cfg: ModelConfig, pure: dict, tokens_NT, batch: int = 4,
 
     x = embed_tokens(pure, tokens_NT)
     for i in range(cfg.n_layers if n_layers is None else min(n_layers, cfg.n_layers)):
-        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
-                              else jnp.asarray(a), layer_params(pure, cfg, i))
+        params = jax.tree.map(
+            lambda a: jnp.asarray(a, jnp.float32) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
+            else jnp.asarray(a), layer_params(pure, cfg, i))
         outs, stats = [], None
         for b in range(0, x.shape[0], batch):
             y, s = run(params, x[b:b + batch])

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from pallasite.errors import InputError
 from pallasite.models.quantized import QUANT_METHODS
 
 DEFAULT_CONFIG = "pallasite.configs.quant.flatquant"
@@ -40,7 +41,7 @@ def calibration_windows(tokenizer, text: Optional[str], n: int, length: int, see
     # a stream several times the windows' size, so the random windows are distinct text
     stream, _ = token_streams(tokenizer, texts, max(4 * n * length, 200_000), max_eval_tokens=0)
     if len(stream) < length + 1:
-        raise ValueError(f"quantize: the calibration text has {len(stream)} tokens, fewer than one window of "
+        raise InputError(f"quantize: the calibration text has {len(stream)} tokens, fewer than one window of "
                          f"{length}; pass more text (--text) or a shorter --calib-len")
     starts = np.random.default_rng(seed).integers(0, len(stream) - length, n)
     return np.stack([stream[s:s + length] for s in starts])
@@ -65,7 +66,7 @@ def _quantize(model, method, output, *, calib_tokens, calib, weight_quantizer, w
     from pallasite.training.quant_baselines import quantize_model
 
     if method not in QUANT_METHODS:
-        raise ValueError(f"quantize: method={method!r}; expected one of {', '.join(QUANT_METHODS)}")
+        raise InputError(f"quantize: method={method!r}; expected one of {', '.join(QUANT_METHODS)}")
     qm = quantize_model(model.config, nnx.to_pure_dict(model.state), method, calib_tokens=calib_tokens,
                         ccfg=calib or CalibConfig(), w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, impl=impl,
                         log=log, checkpoint=checkpoint, weight_quantizer=weight_quantizer)
@@ -110,14 +111,14 @@ def run(args, overrides=None) -> dict:
         value = getattr(args, flag)
         if value is not None:
             if value < 1:
-                raise SystemExit(f"pallasite quantize: --{flag.replace('_', '-')} must be >= 1, got {value}")
+                raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
             calib_fields[field] = value
     ccfg = CalibConfig(**calib_fields)
     bits = {k: getattr(args, k) if getattr(args, k) is not None else c[k] for k in ("w_bits", "a_bits", "kv_bits")}
     t0 = time.time()
     model = pallasite.load(args.model)
     if model.tokenizer is None:
-        raise SystemExit(f"pallasite quantize: {args.model!r} has no tokenizer (calibration text must be tokenized)")
+        raise InputError(f"{args.model!r} has no tokenizer (calibration text must be tokenized)")
     needs_data = method in ("smoothquant", "flatquant") or args.weight_quantizer == "gptq"
     calib_tokens = None
     if needs_data:

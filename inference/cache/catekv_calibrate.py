@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallasite.errors import InputError
 from pallasite.inference.cache.base import KVCache
 from pallasite.inference.cache.catekv import init_catekv_cache
 from pallasite.inference.cache.catekv_mask import MASK_FILE, calibrate_head_mask, save_head_mask
@@ -144,12 +145,12 @@ def calibrate_model(model, *, r: float = 0.4, samples: int = 8, context: int = 2
     calibration prompts of ``context`` tokens."""
     cfg = model.config
     if model.tokenizer is None:
-        raise ValueError("catekv calibration: the model has no tokenizer (the calibration prompts are text)")
+        raise InputError("catekv calibration: the model has no tokenizer (the calibration prompts are text)")
     if cfg.sliding_window is not None:
-        raise ValueError("catekv calibration: CateKV does not support sliding-window models")
+        raise InputError("catekv calibration: CateKV does not support sliding-window models")
     last_q = ccfg.last_q
     if context <= last_q + ccfg.init_tokens + ccfg.recent_tokens + ccfg.tail_tokens:
-        raise ValueError(f"catekv calibration: context={context} leaves no middle chunks (init {ccfg.init_tokens} + "
+        raise InputError(f"catekv calibration: --context {context} leaves no middle chunks (init {ccfg.init_tokens} + "
                          f"recent {ccfg.recent_tokens} + tail {ccfg.tail_tokens} + last {last_q} queries)")
     chunk = min(chunk, context - last_q)
     while (context - last_q) % chunk:
@@ -187,9 +188,9 @@ def run(args, overrides=None) -> dict:
 
     for name in ("samples", "context", "needles", "batch"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"pallasite catekv-calibrate: --{name} must be >= 1, got {getattr(args, name)}")
+            raise InputError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not 0.0 < args.r <= 1.0:
-        raise SystemExit(f"pallasite catekv-calibrate: --r {args.r} must be a fraction of heads in (0, 1]")
+        raise InputError(f"--r {args.r} must be a fraction of heads in (0, 1]")
     t0 = time.time()
     model = pallasite.load(args.model)
     # the CV needs only the chunk geometry; the budget must fit init + recent
@@ -200,7 +201,7 @@ def run(args, overrides=None) -> dict:
     out = args.output
     if out is None:
         if not model.path:
-            raise SystemExit("pallasite catekv-calibrate: the model has no folder to write the mask to; pass --output")
+            raise InputError("the model has no folder to write the mask to; pass --output")
         out = os.path.join(model.path, MASK_FILE)
     path = save_head_mask(out, mask, model.config, ccfg, cv_samples=cvs,
                           extra={"task": "lines", "samples": args.samples, "context": args.context, "r": args.r,

@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+
 @dataclasses.dataclass(frozen=True)
 class CateKVConfig:
     budget: int = 2048  # B: tokens kept per consistent head (plus the unchunked tail)
@@ -152,7 +153,8 @@ def kept_indices(scores_BKN, lengths_B, cfg: CateKVConfig):
     r_start = jnp.maximum(chunk_end - recent, init)[:, None, None]
     recent_pos = jnp.broadcast_to(r_start + jnp.arange(n_recent), (B, K, n_recent))
     pos = jnp.concatenate([init_pos, chunk_pos, recent_pos], axis=-1)
-    ok = jnp.concatenate([jnp.ones_like(init_pos, bool), chunk_ok, jnp.ones_like(recent_pos, bool)], axis=-1) & (pos < n)
+    ok = jnp.concatenate([jnp.ones_like(init_pos, bool), chunk_ok, jnp.ones_like(recent_pos, bool)], axis=-1)
+    ok &= pos < n
     big = jnp.iinfo(jnp.int32).max
     pos = jnp.sort(jnp.where(ok, pos, big), axis=-1)  # kept positions first, ascending
     pad = cfg.kept_max - pos.shape[-1]

@@ -14,8 +14,13 @@ from flax import nnx
 from pallasite.inference.cache import init_dense_cache
 from pallasite.inference.cache.catekv import init_catekv_cache, memory_report, pool_offsets
 from pallasite.inference.cache.catekv_mask import calibrate_head_mask, load_head_mask, save_head_mask
-from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_geometry, classify_heads, kept_indices,
-                                                      middle_attention)
+from pallasite.inference.cache.catekv_select import (
+    CateKVConfig,
+    chunk_geometry,
+    classify_heads,
+    kept_indices,
+    middle_attention,
+)
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
 

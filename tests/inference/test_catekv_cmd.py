@@ -60,10 +60,19 @@ def test_calibrate_command_writes_mask_and_generation_serves_it(tiny_dir, capsys
     assert capsys.readouterr().out.startswith("def f(")
 
 
-def test_calibrate_command_rejects_bad_input(tiny_dir, tmp_path):
-    with pytest.raises(SystemExit, match="--r 1.5"):
-        cli.main(["catekv-calibrate", "--model", tiny_dir, "--r", "1.5"])
-    with pytest.raises(SystemExit, match="--samples must be >= 1"):
-        cli.main(["catekv-calibrate", "--model", tiny_dir, "--samples", "0"])
-    with pytest.raises(ValueError, match="no middle chunks"):
-        cli.main(["catekv-calibrate", "--model", tiny_dir, "--context", "300", "--output", str(tmp_path / "m.json")])
+def _user_error(capsys, argv) -> str:
+    """The one stderr line ``pallasite`` prints for a user error (exit status 1, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pallasite catekv-calibrate: error: ") and "Traceback" not in err
+    return err
+
+
+def test_calibrate_command_rejects_bad_input(tiny_dir, tmp_path, capsys):
+    cmd = ["catekv-calibrate", "--model", tiny_dir]
+    assert "--r 1.5 must be a fraction" in _user_error(capsys, cmd + ["--r", "1.5"])
+    assert "--samples must be >= 1" in _user_error(capsys, cmd + ["--samples", "0"])
+    assert "--context 300 leaves no middle chunks" in _user_error(
+        capsys, cmd + ["--context", "300", "--output", str(tmp_path / "m.json")])

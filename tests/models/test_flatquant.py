@@ -15,14 +15,26 @@ from flax import nnx
 from pallasite.inference.cache.kv4 import init_kv4_cache
 from pallasite.models.config import ModelConfig
 from pallasite.models.context import Taps
-from pallasite.models.quantized import (QuantConfig, build_quantized_state, check_quantizable,
-                                        fold_layer, kv_quant_taps, layer_weights, state_from_pure)
+from pallasite.models.quantized import (
+    QuantConfig,
+    build_quantized_state,
+    check_quantizable,
+    fold_layer,
+    kv_quant_taps,
+    layer_weights,
+    state_from_pure,
+)
 from pallasite.models.rope import inv_frequencies, rope_cos_sin
 from pallasite.models.transformer import capture, forward, init_model
 from pallasite.ops.quant.quantizers import fake_quant_act_sym, fake_quant_kv_asym, fake_quant_weight_sym, weight_clip
 from pallasite.training import flatquant as fq
-from pallasite.training.quant_baselines import (fp_statistics, gptq_hessians, hadamard_transforms, quantize_model,
-                                                random_orthogonal_transforms)
+from pallasite.training.quant_baselines import (
+    fp_statistics,
+    gptq_hessians,
+    hadamard_transforms,
+    quantize_model,
+    random_orthogonal_transforms,
+)
 from pallasite.training.quant_blocks import BlockFn, calibration_config, embed_tokens
 
 # d 64 = 8×8, d_ff 128 = 8×16, head_dim 16, 4 heads: every factor also has a Hadamard matrix
@@ -483,7 +495,8 @@ def test_shared_input_transform_keeps_logits_equal(tiny, per_linear_clips):
     out = {}
     for share in (False, True):
         qm = quantize_model(CFG, pure, "hadamard", resolved=resolved, share_inputs=share)
-        assert qm.cfg.linear_config.share_inputs == share and qm.cfg.linear_config.shared_act_clip == (share and not per_linear_clips)
+        lc = qm.cfg.linear_config
+        assert lc.share_inputs == share and lc.shared_act_clip == (share and not per_linear_clips)
         calls = {"kron_quantize": 0, "kron_transform_ref": 0}
         originals = {name: getattr(mq, name) for name in calls}
 

@@ -237,7 +237,7 @@ def test_dedup_training_path_equals_all_tokens_path():
     results = {}
     for frac in (0.0, 0.5):
         cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, ffn="mole",
-                          ffn_config=MoLEConfig(n_experts=3, dedup_fraction=frac))  # small: the cond compiles both paths
+                          ffn_config=MoLEConfig(n_experts=3, dedup_fraction=frac))  # small: cond compiles both
         model = init_model(cfg, seed=2)
         g, params = nnx.split(model, nnx.Param)
 
@@ -281,7 +281,8 @@ def test_expert_configs_equal_activated_params(size):
         # training-time expert weights: MoLE-4E = MoE-10E, MoLE-16E = MoE-34E (in units of 2·d·D_s)
         mole_n = {10: 4, 34: 16}[e]
         assert e * 2 * D * m.d_expert == (mole_n + 1) * 2 * D * Ds
-        g = cfg(kind + "g").ffn_config if size == "cpu" else cfg(kind, moe_gated=True).ffn_config  # SwiGLU-form ablation
+        # the SwiGLU-form ablation
+        g = cfg(kind + "g").ffn_config if size == "cpu" else cfg(kind, moe_gated=True).ffn_config
         assert g.gated and abs(g.top_k * 3 * D * g.d_expert / (2 * D * Ds) - 1) < 0.02
     glu = cfg("dense_glu")
     assert glu.ffn == "dense" and abs(3 * D * glu.d_ff / (2 * D * Ds) - 1) < 0.02

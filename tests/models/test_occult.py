@@ -11,9 +11,9 @@ from pallasite import sharding
 from pallasite.models import occult
 from pallasite.models.config import ModelConfig
 from pallasite.models.moe import MoEConfig
+from pallasite.models.moe_dispatch import dispatch_plan, expert_parallel_ffn
 from pallasite.models.moe_experts import expert_ffn_rows
 from pallasite.models.moe_routing import prune_routing
-from pallasite.models.moe_dispatch import dispatch_plan, expert_parallel_ffn
 from pallasite.models.occult_accounting import check_ct_bounds, communication_stats, communication_times
 from pallasite.models.transformer import Block, Transformer
 
