@@ -2,7 +2,7 @@
 parallelism, Occult dispatch, Occult + collaboration-aware placement, and + collaboration
 pruning (N_d' = 2), on the routing of a *trained* MoE.
 
-    python -m pallasite.benchmarks.occult --quick [--seed 0]
+    python -m pallasite.benchmarks.occult --quick [--seed 0] [--comm-only]
 
 Routing source: a small MoE (byte-level, d=64, 2 layers, 32 experts, top-4 — top-k ≥ 4 as
 the issue asks) trained by ``models/occult_finetune.train`` on the Python stdlib sources. It
@@ -125,12 +125,40 @@ def _eval(graphdef, state, data, batches):
     return ft.eval_loss(gd, params, rest, data, batches=batches)
 
 
+def _comm_only_report(comm, bytes_std, m, cfg, eval_tokens, routing_source, quick, seed, t_start) -> dict:
+    """The CT / bytes rows of the full report (``--comm-only``)."""
+    ct = {name: comm[name]["ct"] for name in comm}
+    print(f"\n{'system':34s} {'CT':>6s} {'bytes/layer-step':>17s} {'vs standard':>12s}")
+    rows = [("standard EP (contiguous)", None, bytes_std),
+            ("Occult dispatch (contiguous)", ct["contiguous"], comm["contiguous"]["bytes_occult"]),
+            ("Occult + random placement", ct["random"], comm["random"]["bytes_occult"]),
+            ("Occult + greedy placement", ct["greedy"], comm["greedy"]["bytes_occult"])]
+    for name, c, b in rows:
+        print(f"{name:34s} {'k=4' if c is None else f'{c:.3f}':>6s} {b / cfg.n_layers:17.0f} {1 - b / bytes_std:11.1%}")
+    print(f"(held-out tokens {sum(t.size for t in eval_tokens)}; placement alone lowers CT by "
+          f"{1 - ct['greedy'] / ct['contiguous']:.1%} vs contiguous, {1 - ct['greedy'] / ct['random']:.1%} vs random)")
+    result = {
+        "bytes_reduction_occult": round(1 - comm["contiguous"]["bytes_occult"] / bytes_std, 4),
+        "bytes_reduction_occult_random": round(1 - comm["random"]["bytes_occult"] / bytes_std, 4),
+        "bytes_reduction_occult_placement": round(1 - comm["greedy"]["bytes_occult"] / bytes_std, 4),
+        "ct_standard": float(m.top_k), "ct_occult_contiguous": round(ct["contiguous"], 4),
+        "ct_occult_random": round(ct["random"], 4), "ct_occult_greedy": round(ct["greedy"], 4),
+        "ct_reduction_placement_vs_contiguous": round(1 - ct["greedy"] / ct["contiguous"], 4),
+        "routing_source": routing_source, "comm_only": True, "quick": quick, "seed": seed,
+        "wall_s": round(time.time() - t_start, 1),
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--train_steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the trained MoE (init, data order) and of the profiling / held-out windows")
+    ap.add_argument("--comm-only", action="store_true",
+                    help="stop after the CT / bytes table (no layer timing, no pruned fine-tuning): the seed spread")
     args = ap.parse_args(argv)
     quick = args.quick
     t_start = time.time()
@@ -184,6 +212,8 @@ def main(argv=None):
         comm[name] = tot
     bytes_std = comm["contiguous"]["bytes_standard"]  # standard EP's bytes do not depend on placement much
     # standard EP with the *same* placement as its baseline: contiguous (the default layout)
+    if args.comm_only:
+        return _comm_only_report(comm, bytes_std, m, cfg, eval_tokens, routing_source, quick, seed, t_start)
 
     # ---- pruning: fine-tune MoE blocks with pruned routing (non-MoE frozen); unpruned FT baseline
     placed_state = occult.apply_placement(state, placements["greedy"], num_devices=N_DEV)
