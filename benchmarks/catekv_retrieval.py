@@ -45,7 +45,7 @@ def main(argv: Optional[list] = None):
               log=lambda *m: print(*m, flush=True))
     mem = res["ideal_memory_ratio"]
     print(f"\n{res['task']}, {res['n_eval']} prompts, r = {a.r}, budget {a.budget}")
-    print(f"| {'cache':<9} | accuracy | KV memory / full | CateKV wins-losses-ties | sign-test p |")
+    print(f"| {'cache':<9} | accuracy | memory saving (full ÷ cache) | CateKV wins-losses-ties | sign-test p |")
     print("|---|---|---|---|---|")
     for name, acc in res["accuracy"].items():
         st = res["sign_test_catekv_vs"].get(name)
