@@ -5,8 +5,8 @@
     pallasite quantize --model M --output DIR --config pallasite.configs.quant.flatquant:method=hadamard
 
 ``arg``: empty — the paper's calibration (128 windows × 2048 tokens, 15 epochs, batch 4 = 480
-AdamW steps per layer, lr 5e-3, clip lr ×10, AdamW weight decay 0.01); ``quick`` — minutes on a
-2-core CPU for SmolLM2-135M: 8 windows × 128 tokens, 4 epochs, batch 4 = 8 steps per layer on
+AdamW steps per layer, lr 5e-3, clip lr ×10, AdamW weight decay 0.01); ``quick`` — for a CPU,
+SmolLM2-135M: 8 windows × 128 tokens, 4 epochs, batch 4 = 8 steps per layer on
 every layer (1/960 of the paper's token-steps; the quality cost is in docs/quant.md); plus
 ``key=value`` pairs (e.g. ``quick,method=rtn``).
 """
