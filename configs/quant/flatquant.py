@@ -7,7 +7,7 @@
 ``arg``: empty — the paper's calibration (128 windows × 2048 tokens, 15 epochs, batch 4 = 480
 AdamW steps per layer, lr 5e-3, clip lr ×10, AdamW weight decay 0.01); ``quick`` — for a CPU,
 SmolLM2-135M: 8 windows × 128 tokens, 4 epochs, batch 4 = 8 steps per layer on
-every layer (1/960 of the paper's token-steps; the quality cost is in docs/quant.md); plus
+every layer (1/960 of the paper's token-steps; its quality cost is not measured yet); plus
 ``key=value`` pairs (e.g. ``quick,method=rtn``).
 """
 
