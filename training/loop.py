@@ -139,24 +139,13 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(config_json, f, indent=2)
 
-    # ---- data and tokenizer
-    train_docs, eval_docs = data_lib.load_documents(config.data)
-    tokenizer = prepare_tokenizer(config, workdir, train_docs)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; packing needs one")
-    eos = int(tokenizer.eos_token_id)
-    train_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, train_docs, eos),
-                                      seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed)
-    eval_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, eval_docs, eos),
-                                     seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=0,
-                                     shuffle=False)
-    eval_batches = eval_ds.first_batches(config.data.eval_batches)
-    unigram = data_lib.unigram_entropy(eval_batches)
-    _log(f"data: {len(train_docs)} train docs ({train_ds.num_tokens} tokens, {train_ds.batches_per_epoch} "
-         f"batches/epoch), {len(eval_docs)} eval docs; held-out unigram entropy {unigram:.4f} nats/token")
+    # ---- data and tokenizer (config.data.kind; "lm" = packed documents, lm_data below)
+    spec = data_lib.build_data(config, workdir)
+    tokenizer, train_ds, eval_batches, unigram = spec.tokenizer, spec.train, spec.eval_batches, spec.unigram_entropy
+    _log(spec.summary)
 
     # ---- model, mesh, optimizer, state
-    cfg = model_config_for(config, tokenizer)
+    cfg = spec.model_config or model_config_for(config, tokenizer)
     mesh = shd.make_mesh(dict(config.mesh))
     rules = shd.rules_from_config(config.sharding_rules)
     optimizer, schedule = make_optimizer(config.optim, tc.steps)
@@ -167,13 +156,15 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     latest = ckpt.latest_step()
     data_state = None
     if latest is not None:
-        graphdef, abstract, shardings = step_lib.abstract_train_state(cfg, optimizer, mesh, rules, config.seed)
+        graphdef, abstract, shardings = (spec.abstract_state or step_lib.abstract_train_state)(
+            cfg, optimizer, mesh, rules, config.seed)
         state, data_state, saved_config = ckpt.restore(latest, abstract)
         _check_resume_config(saved_config, config_json)
         writer.truncate_after(latest)
         _log(f"resumed from checkpoint step {latest} in {ckpt.directory}")
     else:
-        graphdef, state, shardings = step_lib.init_train_state(cfg, optimizer, mesh, rules, config.seed)
+        graphdef, state, shardings = (spec.init_state or step_lib.init_train_state)(
+            cfg, optimizer, mesh, rules, config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}")
 
@@ -189,7 +180,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
 
     start = int(jax.device_get(state["step"]))
     total = int(tc.steps)
-    tokens_per_step = B * config.data.seq_len
+    tokens_per_step = spec.tokens_per_batch
     pending: list[tuple[int, Any]] = []
     last_train: dict = {}
     last_eval: dict = {}
@@ -270,7 +261,8 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         from pallasite.models.hf import export_hf
 
         hf_dir = os.path.join(workdir, "hf")
-        export_hf(cfg, jax.device_get(state["params"]), hf_dir)
+        export_cfg, export_params = spec.export(cfg, graphdef, state) if spec.export else (cfg, state["params"])
+        export_hf(export_cfg, jax.device_get(export_params), hf_dir)
         tokenizer.save_pretrained(hf_dir)
         _log(f"saved final model (HF format) and tokenizer to {hf_dir}")
     text = None
@@ -288,9 +280,35 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         "num_params": n_params, "tokens_per_s": steps_run * tokens_per_step / max(train_wall, 1e-9),
         "wall_s": time.time() - t_start, "workdir": workdir, "hf_dir": hf_dir, "sample": text,
     }
+    if spec.finish is not None:
+        with jax.set_mesh(mesh):
+            result.update(spec.finish(cfg, graphdef, state, workdir))
     with open(os.path.join(workdir, "result.json"), "w") as f:
         json.dump(result, f, indent=2)
     return result
 
 
-__all__ = ["train", "evaluate", "sample", "prepare_tokenizer", "model_config_for"]
+def lm_data(config: ConfigDict, workdir: str, kind_config=None) -> data_lib.DataSpec:
+    """The default data kind ``lm``: documents -> tokenizer -> packed LM batches (``data.py``)."""
+    train_docs, eval_docs = data_lib.load_documents(config.data)
+    tokenizer = prepare_tokenizer(config, workdir, train_docs)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; packing needs one")
+    eos = int(tokenizer.eos_token_id)
+    train_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, train_docs, eos),
+                                      seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed)
+    eval_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, eval_docs, eos),
+                                     seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=0,
+                                     shuffle=False)
+    eval_batches = eval_ds.first_batches(config.data.eval_batches)
+    unigram = data_lib.unigram_entropy(eval_batches)
+    summary = (f"data: {len(train_docs)} train docs ({train_ds.num_tokens} tokens, {train_ds.batches_per_epoch} "
+               f"batches/epoch), {len(eval_docs)} eval docs; held-out unigram entropy {unigram:.4f} nats/token")
+    return data_lib.DataSpec(tokenizer, train_ds, eval_batches, config.data.batch_size * config.data.seq_len,
+                             summary=summary, unigram_entropy=unigram)
+
+
+data_lib.DATA_KIND.register("lm", lm_data)
+
+
+__all__ = ["train", "evaluate", "sample", "prepare_tokenizer", "model_config_for", "lm_data"]
