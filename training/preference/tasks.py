@@ -27,7 +27,7 @@ TOPICS = ("river", "forest", "city", "garden", "storm", "harbor", "desert", "val
 PLAIN = ("calm", "wide", "old", "small", "quiet", "large", "cold", "warm", "long", "dark", "green", "busy")
 VIVID = ("radiant", "luminous", "majestic", "shimmering", "vibrant", "glorious", "dazzling", "splendid")
 VIVID_RATE = 0.03
-OBJECTIVE_RANGE = (0, 30)
+OBJECTIVE_RANGE = (0, 50)
 _OPEN = re.compile(r"^the (\w+) is (\w+) and (\w+)\.$")
 
 

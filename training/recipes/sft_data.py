@@ -116,17 +116,22 @@ def sft_records(kc: SFTDataConfig) -> tuple[list[dict], list[dict]]:
     return [r for r, h in zip(records, split) if not h], [r for r, h in zip(records, split) if h]
 
 
-def toy_reward_report(model, eval_prompts: int, seed: int, prefix: str = "reward") -> dict:
-    """Mean greedy reward per toy family on ``eval_prompts`` held-out prompts of each family."""
+def toy_reward_report(model, eval_prompts: int, seed: int, prefix: str = "reward", samples: int = 4) -> dict:
+    """Mean reward per toy family on ``eval_prompts`` held-out prompts of each family: greedy
+    (``{prefix}/{family}``) and over ``samples`` samples at temperature 1 (``{prefix}_t1/{family}``)."""
     from pallasite.training.preference import tasks
     from pallasite.training.preference.sampler import sample_responses
 
     prompts = tasks.make_prompts(eval_prompts, seed + 1_000_003)
-    texts = sample_responses(model, prompts, n=1, temperature=0.0, max_new_tokens=24)
+    greedy = sample_responses(model, prompts, n=1, temperature=0.0, max_new_tokens=24)
+    sampled = sample_responses(model, prompts, n=samples, temperature=1.0, max_new_tokens=24, seed=seed + 17) \
+        if samples else None
     out = {}
     for fam in tasks.FAMILIES:
-        rs = [tasks.reward(p, t[0]) for p, t in zip(prompts, texts) if p.family == fam]
-        out[f"{prefix}/{fam}"] = float(np.mean(rs))
+        idx = [i for i, p in enumerate(prompts) if p.family == fam]
+        out[f"{prefix}/{fam}"] = float(np.mean([tasks.reward(prompts[i], greedy[i][0]) for i in idx]))
+        if sampled is not None:
+            out[f"{prefix}_t1/{fam}"] = float(np.mean([tasks.reward(prompts[i], t) for i in idx for t in sampled[i]]))
     return out
 
 
