@@ -1,9 +1,9 @@
-"""Post-training recipes side by side (docs/post_training.md): HumanEval harness, DPO with on-policy /
-off-policy / SimpleMix pairs, CE vs OVERTONE editing, code-first vs CoT-first SFT.
+"""Post-training recipes side by side (docs/post_training.md): HumanEval harness, DPO with
+on-policy / off-policy / SimpleMix pairs, CE vs OVERTONE editing, code-first vs CoT-first SFT.
 
     python -m pallasite.benchmarks.recipes --quick                     # 1 seed, small runs
     python -m pallasite.benchmarks.recipes --seeds 3 --workdir runs/recipes
-    python -m pallasite.benchmarks.recipes --only humaneval_smollm2    # SmolLM2-135M-Instruct greedy pass@1 (slow)
+    python -m pallasite.benchmarks.recipes --only humaneval_smollm2   # SmolLM2-135M, greedy (slow)
 
 Every run goes through ``pallasite.training.loop.train`` with the configs in ``configs/recipes/``;
 finished runs in ``--workdir`` are reused (delete a run's folder to redo it). Prints one table per
@@ -30,7 +30,9 @@ def _config(name: str, arg: str, overrides=()):
     return load_config(os.path.join(HERE, "configs", "recipes", f"{name}.py"), arg, list(overrides))
 
 
-def run(name: str, arg: str, workdir: str, overrides=(), step_hook=None, reuse: bool = True) -> dict:
+def run(
+    name: str, arg: str, workdir: str, overrides=(), step_hook=None, reuse: bool = True
+) -> dict:
     """Train one config (or reuse a finished run in ``workdir``)."""
     from pallasite.training.loop import train
 
@@ -64,9 +66,11 @@ def humaneval_section(out: dict) -> None:
     canon = HE.evaluate(HE.canonical_completions(problems))
     t1 = time.time()
     dummy = HE.evaluate(HE.pass_completions(problems))
-    print(f"\nHumanEval harness (sandboxed, one subprocess per candidate)\n"
-          f"  canonical solutions  {canon['passed']}/{canon['total']}  ({t1 - t0:.1f} s)\n"
-          f"  `pass` bodies        {dummy['passed']}/{dummy['total']}  ({time.time() - t1:.1f} s)")
+    print(
+        f"\nHumanEval harness (sandboxed, one subprocess per candidate)\n"
+        f"  canonical solutions  {canon['passed']}/{canon['total']}  ({t1 - t0:.1f} s)\n"
+        f"  `pass` bodies        {dummy['passed']}/{dummy['total']}  ({time.time() - t1:.1f} s)"
+    )
     out.update(humaneval_canonical=canon["passed"], humaneval_pass_bodies=dummy["passed"])
 
 
@@ -78,27 +82,43 @@ def dpo_section(out: dict, root: str, seeds, quick: bool) -> None:
     rows = {}
     for seed in seeds:
         for mix in ("onpolicy", "offpolicy", "simplemix"):
-            res = run("dpo", f"steps={dpo_steps},mix={mix}", os.path.join(root, f"dpo_{mix}_s{seed}"),
-                      [f"--config.seed={seed}", f"--config.data.kind_config.init_from={os.path.join(root, 'sft')}",
-                       f"--config.data.kind_config.n_prompts={n_prompts}",
-                       f"--config.data.kind_config.n_samples={n_samples}",
-                       f"--config.data.kind_config.eval_prompts={eval_prompts}",
-                       f"--config.data.kind_config.onpolicy_cache={cache}"])
+            res = run(
+                "dpo",
+                f"steps={dpo_steps},mix={mix}",
+                os.path.join(root, f"dpo_{mix}_s{seed}"),
+                [
+                    f"--config.seed={seed}",
+                    f"--config.data.kind_config.init_from={os.path.join(root, 'sft')}",
+                    f"--config.data.kind_config.n_prompts={n_prompts}",
+                    f"--config.data.kind_config.n_samples={n_samples}",
+                    f"--config.data.kind_config.eval_prompts={eval_prompts}",
+                    f"--config.data.kind_config.onpolicy_cache={cache}",
+                ],
+            )
             rows.setdefault(mix, []).append(res)
     fams = ("objective", "open_ended")
     base = {f: rows["offpolicy"][0][f"sft_reward/{f}"] for f in fams}
-    print(f"\nDPO from one SFT model ({sft['num_params'] / 1e6:.2f}M params, {sft_steps} SFT steps), {dpo_steps} DPO "
-          f"steps x {len(seeds)} seed(s); greedy reward on held-out prompts (mean ± std over seeds)")
+    print(
+        f"\nDPO from one SFT model ({sft['num_params'] / 1e6:.2f}M params, {sft_steps} SFT steps), "
+        f"{dpo_steps} DPO "
+        f"steps x {len(seeds)} seed(s); greedy reward on held-out prompts (mean ± std over seeds)"
+    )
     print(f"  {'pairs':<12}{'objective':>18}{'open_ended':>18}{'on-policy frac':>16}")
     print(f"  {'SFT (none)':<12}{base['objective']:>18.3f}{base['open_ended']:>18.3f}{'':>16}")
     for mix in ("onpolicy", "offpolicy", "simplemix"):
         r = rows[mix]
-        print(f"  {mix:<12}{_ms([x['reward/objective'] for x in r]):>18}{_ms([x['reward/open_ended'] for x in r]):>18}"
-              f"{np.mean([x['pairs/onpolicy_fraction'] for x in r]):>16.3f}")
+        print(
+            f"  {mix:<12}{_ms([x['reward/objective'] for x in r]):>18}"
+            f"{_ms([x['reward/open_ended'] for x in r]):>18}"
+            f"{np.mean([x['pairs/onpolicy_fraction'] for x in r]):>16.3f}"
+        )
         for f in fams:
             out[f"dpo_reward_{mix}_{f}"] = float(np.mean([x[f"reward/{f}"] for x in rows[mix]]))
         out[f"dpo_reward_{mix}"] = {f: out[f"dpo_reward_{mix}_{f}"] for f in fams}
-    out.update({f"dpo_reward_sft_{f}": base[f] for f in fams}, dpo_onpolicy_pool=rows["onpolicy"][0]["pairs/onpolicy_pool"])
+    out.update(
+        {f"dpo_reward_sft_{f}": base[f] for f in fams},
+        dpo_onpolicy_pool=rows["onpolicy"][0]["pairs/onpolicy_pool"],
+    )
 
 
 def _hto_hook(config, probs_history):
@@ -124,7 +144,8 @@ def _hto_hook(config, probs_history):
     def probs(params, other):
         model = nnx.merge(graphdef, params, other)
         return editing.target_token_probs(
-            lambda r: model(r["tokens"], r["positions"], segment_ids_BT=r["segment_ids"])[0], rows_j)
+            lambda r: model(r["tokens"], r["positions"], segment_ids_BT=r["segment_ids"])[0], rows_j
+        )
 
     def hook(step, state):
         probs_history.append(np.asarray(probs(state["params"], state["other"])))
@@ -144,8 +165,11 @@ def overtone_section(out: dict, root: str, seeds, quick: bool) -> None:
             for seed in seeds:
                 wd = os.path.join(root, f"edit_{mode}_{method}_s{seed}")
                 arg = f"stage=edit,method={method},mode={mode},steps={edit_steps}"
-                ov = [f"--config.seed={seed}", f"--config.data.kind_config.init_from={os.path.join(root, 'facts')}",
-                      f"--config.data.kind_config.edit_seed={seed}"]
+                ov = [
+                    f"--config.seed={seed}",
+                    f"--config.data.kind_config.init_from={os.path.join(root, 'facts')}",
+                    f"--config.data.kind_config.edit_seed={seed}",
+                ]
                 hto_path = os.path.join(wd, "hto.json")
                 if os.path.exists(os.path.join(wd, "result.json")) and os.path.exists(hto_path):
                     res = run("overtone", arg, wd, ov)
@@ -160,13 +184,20 @@ def overtone_section(out: dict, root: str, seeds, quick: bool) -> None:
                         json.dump(h, f)
                     res.update(h)
                 table.setdefault((mode, method), []).append(res)
-    print(f"\nKnowledge editing: {facts['num_params'] / 1e6:.2f}M-param model on the facts world (recall "
-          f"{facts['facts/recall']:.2f}, two-hop {facts['facts/two_hop']:.2f}); 24 facts edited at once, "
-          f"{edit_steps} steps, {len(seeds)} seed(s) (different facts per seed)")
+    print(
+        f"\nKnowledge editing: {facts['num_params'] / 1e6:.2f}M-param model on the facts world "
+        f"(recall {facts['facts/recall']:.2f}, two-hop {facts['facts/two_hop']:.2f}); "
+        "24 facts edited at once, "
+        f"{edit_steps} steps, {len(seeds)} seed(s) (different facts per seed)"
+    )
     keys = ("reliability", "generality", "locality", "portability", "hto_variance", "hto_mean_step")
     print("  " + f"{'editor':<16}" + "".join(f"{k:>16}" for k in keys))
     for (mode, method), rs in table.items():
-        print("  " + f"{mode + ' ' + method:<16}" + "".join(f"{_ms([r[k] for r in rs]):>16}" for k in keys))
+        print(
+            "  "
+            + f"{mode + ' ' + method:<16}"
+            + "".join(f"{_ms([r[k] for r in rs]):>16}" for k in keys)
+        )
     for (mode, method), rs in table.items():
         for k in keys:
             out[f"edit_{mode}_{method}_{k}"] = float(np.mean([r[k] for r in rs]))
@@ -180,23 +211,38 @@ def code_cot_section(out: dict, root: str, seeds, quick: bool) -> None:
     res = {}
     for seed in seeds:
         for variant in ("code_only", "cot_first", "code_first"):
-            r = run("code_cot", f"variant={variant},steps={steps},n_train={n_train}",
-                    os.path.join(root, f"code_{variant}_s{seed}"), [f"--config.seed={seed}"])
+            r = run(
+                "code_cot",
+                f"variant={variant},steps={steps},n_train={n_train}",
+                os.path.join(root, f"code_{variant}_s{seed}"),
+                [f"--config.seed={seed}"],
+            )
             res.setdefault(variant, []).append(r)
-    print(f"\nCode SFT orderings: {res['code_first'][0]['num_params'] / 1e6:.2f}M params, {n_train} specs, {steps} steps "
-          f"x 16 x 192 tokens, {len(seeds)} seed(s); greedy pass@1 on 100 held-out specs (sandboxed)")
+    print(
+        f"\nCode SFT orderings: {res['code_first'][0]['num_params'] / 1e6:.2f}M params, "
+        f"{n_train} specs, {steps} steps "
+        f"x 16 x 192 tokens, {len(seeds)} seed(s); greedy pass@1 on 100 held-out specs (sandboxed)"
+    )
     for v, rs in res.items():
-        print(f"  {v:<12}{_ms([r['code/pass@1'] for r in rs]):>18}   eval loss {_ms([r['eval_loss'] for r in rs])}")
+        print(
+            f"  {v:<12}{_ms([r['code/pass@1'] for r in rs]):>18}   "
+            f"eval loss {_ms([r['eval_loss'] for r in rs])}"
+        )
     cf = float(np.mean([r["code/pass@1"] for r in res["code_first"]]))
     cot = float(np.mean([r["code/pass@1"] for r in res["cot_first"]]))
     gain = (cf - cot) / cot if cot > 0 else float("nan")
     print(f"  relative gain (code_first - cot_first) / cot_first = {gain:+.3f} (paper: +0.0986)")
-    out.update(passk_code_first=cf, passk_cot_first=cot,
-               passk_code_only=float(np.mean([r["code/pass@1"] for r in res["code_only"]])),
-               code_first_relative_gain=gain)
+    out.update(
+        passk_code_first=cf,
+        passk_cot_first=cot,
+        passk_code_only=float(np.mean([r["code/pass@1"] for r in res["code_only"]])),
+        code_first_relative_gain=gain,
+    )
 
 
-def humaneval_smollm2_section(out: dict, limit: int = 0, max_new_tokens: int = 256, batch: int = 16) -> None:
+def humaneval_smollm2_section(
+    out: dict, limit: int = 0, max_new_tokens: int = 256, batch: int = 16
+) -> None:
     """Greedy pass@1 of SmolLM2-135M-Instruct: the standard completion protocol (the raw prompt,
     greedy, cut at the first top-level stop sequence), executed through the harness."""
     import pallasite
@@ -214,17 +260,30 @@ def humaneval_smollm2_section(out: dict, limit: int = 0, max_new_tokens: int = 2
     t0 = time.time()
     texts = {}
     for s in range(0, len(order), batch):
-        chunk = order[s:s + batch]
-        gens = pallasite.generate(model, [problems[t]["prompt"] for t in chunk], max_new_tokens=max_new_tokens,
-                                  temperature=0.0)
+        chunk = order[s : s + batch]
+        gens = pallasite.generate(
+            model,
+            [problems[t]["prompt"] for t in chunk],
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+        )
         texts.update(zip(chunk, gens))
-        print(f"  generated {min(s + batch, len(order))}/{len(order)} ({time.time() - t0:.0f} s)", file=sys.stderr)
+        print(
+            f"  generated {min(s + batch, len(order))}/{len(order)} ({time.time() - t0:.0f} s)",
+            file=sys.stderr,
+        )
     completions = {t: [HE.truncate_completion(texts[t])] for t in ids}
     report = HE.evaluate(completions, {t: problems[t] for t in ids})
-    print(f"\nHumanEval, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised, fp32), greedy, {max_new_tokens} new tokens: "
-          f"pass@1 {report['pass@1']:.4f} ({report['passed']}/{report['total']}); generation {time.time() - t0:.0f} s")
-    out.update(humaneval_smollm2_pass1=report["pass@1"], humaneval_smollm2_passed=report["passed"],
-               humaneval_smollm2_total=report["total"])
+    print(
+        f"\nHumanEval, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised, fp32), greedy, "
+        f"{max_new_tokens} new tokens: pass@1 {report['pass@1']:.4f} "
+        f"({report['passed']}/{report['total']}); generation {time.time() - t0:.0f} s"
+    )
+    out.update(
+        humaneval_smollm2_pass1=report["pass@1"],
+        humaneval_smollm2_passed=report["passed"],
+        humaneval_smollm2_total=report["total"],
+    )
 
 
 def main(argv=None) -> dict:
@@ -233,11 +292,18 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--workdir", default="")
     p.add_argument("--only", default="", help=f"comma list of sections: {', '.join(SECTIONS)}")
-    p.add_argument("--humaneval-limit", type=int, default=0, help="first N HumanEval problems for the SmolLM2 run")
+    p.add_argument(
+        "--humaneval-limit",
+        type=int,
+        default=0,
+        help="first N HumanEval problems for the SmolLM2 run",
+    )
     args = p.parse_args(argv)
     import jax
 
-    root = os.path.abspath(args.workdir or os.path.join("runs", "recipes_quick" if args.quick else "recipes"))
+    root = os.path.abspath(
+        args.workdir or os.path.join("runs", "recipes_quick" if args.quick else "recipes")
+    )
     os.makedirs(root, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.join(root, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,6 +1,6 @@
 """LoRA (Hu et al. 2022) as a params transform on the module tree, plus freezing by path.
 
-    model = apply_lora(model, LoRAConfig(rank=8, alpha=16, targets=("attn/(q|v)_proj",)))   # in place
+    model = apply_lora(model, LoRAConfig(rank=8, alpha=16, targets=("attn/(q|v)_proj",)))
     ...train: only lora_a / lora_b are nnx.Param; every other weight is Frozen (the state's "other")
     save_adapters(model, "adapter/"); model2 = load_adapters(base_model, "adapter/")
     served = merge_lora(model)            # plain float linears, W' = W + (alpha / rank) * A @ B
@@ -48,7 +48,7 @@ class LoRAConfig:
     rank: int = 8
     alpha: float = 16.0
     targets: tuple = DEFAULT_TARGETS  # regexes searched in module paths ("layers/0/attn/q_proj")
-    trainable: tuple = ()  # regexes of other parameter paths that stay trainable (e.g. "final_norm")
+    trainable: tuple = ()  # regexes of other parameter paths that stay trainable ("final_norm")
 
     def __post_init__(self):
         if isinstance(self.targets, str):
@@ -75,17 +75,22 @@ class LoRALinear(LinearBase):
         self.in_features, self.out_features, self.dtype = d_in, d_out, linear.dtype
         self.rank, self.alpha = int(rank), float(alpha)
         self.kernel = Frozen(kernel[...], **kernel.get_metadata())
-        self.bias = None if linear.bias is None else Frozen(linear.bias[...], **linear.bias.get_metadata())
+        self.bias = (
+            None if linear.bias is None else Frozen(linear.bias[...], **linear.bias.get_metadata())
+        )
         a = jax.random.normal(rngs.params(), (*lead, d_in, self.rank), jnp.float32) / np.sqrt(d_in)
         self.lora_a = nnx.Param(a.astype(kernel[...].dtype), logical_axes=(axes[0], None))
-        self.lora_b = nnx.Param(jnp.zeros((*lead, self.rank, d_out), kernel[...].dtype), logical_axes=(None, axes[1]))
+        self.lora_b = nnx.Param(
+            jnp.zeros((*lead, self.rank, d_out), kernel[...].dtype), logical_axes=(None, axes[1])
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         y = jnp.dot(x.astype(dt), self.kernel[...].astype(dt), preferred_element_type=jnp.float32)
         xa = jnp.dot(x.astype(dt), self.lora_a[...].astype(dt), preferred_element_type=jnp.float32)
-        y = y + (self.alpha / self.rank) * jnp.dot(xa.astype(dt), self.lora_b[...].astype(dt),
-                                                   preferred_element_type=jnp.float32)
+        y = y + (self.alpha / self.rank) * jnp.dot(
+            xa.astype(dt), self.lora_b[...].astype(dt), preferred_element_type=jnp.float32
+        )
         y = y.astype(dt)
         if self.bias is not None:
             y = y + self.bias[...].astype(dt)
@@ -93,8 +98,11 @@ class LoRALinear(LinearBase):
 
     def merged_kernel(self) -> jax.Array:
         k = self.kernel[...]
-        delta = jnp.einsum("...ir,...ro->...io", self.lora_a[...].astype(jnp.float32),
-                           self.lora_b[...].astype(jnp.float32))
+        delta = jnp.einsum(
+            "...ir,...ro->...io",
+            self.lora_a[...].astype(jnp.float32),
+            self.lora_b[...].astype(jnp.float32),
+        )
         return (k.astype(jnp.float32) + (self.alpha / self.rank) * delta).astype(k.dtype)
 
 
@@ -158,8 +166,10 @@ def freeze(model, trainable: Sequence[str] = (), *, field: str = "trainable"):
             setattr(module, name, Frozen(var[...], **var.get_metadata()))
     for p, n in zip(trainable, hits):
         if n == 0:
-            raise ValueError(f"{field}: pattern {p!r} matches no parameter; parameters look like "
-                             f"{', '.join(_param_paths(model)[:6])}, ...")
+            raise ValueError(
+                f"{field}: pattern {p!r} matches no parameter; parameters look like "
+                f"{', '.join(_param_paths(model)[:6])}, ..."
+            )
     return model
 
 
@@ -178,7 +188,11 @@ def unfreeze(model):
     """Every ``Frozen`` variable back to an ``nnx.Param`` (in place; returns ``model``)."""
     for path, name, var in list(_variables(model)):
         if isinstance(var, Frozen):
-            setattr(_get(model, path) if path else model, name, nnx.Param(var[...], **var.get_metadata()))
+            setattr(
+                _get(model, path) if path else model,
+                name,
+                nnx.Param(var[...], **var.get_metadata()),
+            )
     return model
 
 
@@ -200,18 +214,24 @@ def apply_lora(model, config: LoRAConfig, *, seed: int = 0):
             hits[i] += 1
         if matched:
             if type(module) is not Linear:
-                raise ValueError(f"LoRA target {s!r} is a {type(module).__name__}; LoRA wraps float linears only")
+                raise ValueError(
+                    f"LoRA target {s!r} is a {type(module).__name__}; LoRA wraps float linears only"
+                )
             chosen.append((path, module))
     for p, n in zip(config.targets, hits):
         if n == 0:
             shown = ", ".join(_path_str(q) for q, _ in linears[:8])
-            raise ValueError(f"LoRA target {p!r} matches no module; linear modules are {shown}"
-                             f"{', ...' if len(linears) > 8 else ''}")
+            raise ValueError(
+                f"LoRA target {p!r} matches no module; linear modules are {shown}"
+                f"{', ...' if len(linears) > 8 else ''}"
+            )
     freeze(model, config.trainable, field="LoRAConfig.trainable")
     rngs = nnx.Rngs(params=seed)
     for path, module in chosen:
         _set_child(model, path, LoRALinear(module, rank=config.rank, alpha=config.alpha, rngs=rngs))
-    model.__dict__["_lora_config"] = config  # plain attribute (not graph state): remembered for saving
+    model.__dict__["_lora_config"] = (
+        config  # plain attribute (not graph state): remembered for saving
+    )
     return model
 
 
@@ -223,11 +243,19 @@ def merge_lora(model):
     """Fold every adapter into its kernel (W + (alpha/r) A B), restore plain float linears and make
     every parameter trainable again: the model has the original structure (in place; returns it)."""
     for path, module in [(p, m) for p, m in model.iter_modules() if isinstance(m, LoRALinear)]:
-        ns = types.SimpleNamespace(dtype=str(module.dtype), param_dtype=str(module.kernel[...].dtype))
-        lin = Linear(1, 1, cfg=ns, axes=(None, None), use_bias=module.bias is not None, rngs=nnx.Rngs(0))
+        ns = types.SimpleNamespace(
+            dtype=str(module.dtype), param_dtype=str(module.kernel[...].dtype)
+        )
+        lin = Linear(
+            1, 1, cfg=ns, axes=(None, None), use_bias=module.bias is not None, rngs=nnx.Rngs(0)
+        )
         lin.in_features, lin.out_features = module.in_features, module.out_features
         lin.kernel = nnx.Param(module.merged_kernel(), **module.kernel.get_metadata())
-        lin.bias = None if module.bias is None else nnx.Param(module.bias[...], **module.bias.get_metadata())
+        lin.bias = (
+            None
+            if module.bias is None
+            else nnx.Param(module.bias[...], **module.bias.get_metadata())
+        )
         _set_child(model, path, lin)
     model.__dict__.pop("_lora_config", None)
     return unfreeze(model)
@@ -260,7 +288,7 @@ def save_adapters(model, directory: str, config: LoRAConfig | None = None) -> st
 
 
 def load_adapters(model, directory: str):
-    """Apply the saved LoRA config to ``model`` (a base model) and load the saved factors into it."""
+    """Apply the saved LoRA config to ``model`` (a base model) and load the saved factors."""
     from safetensors.numpy import load_file
 
     cfg_path = os.path.join(directory, ADAPTER_CONFIG)
@@ -273,19 +301,37 @@ def load_adapters(model, directory: str):
     apply_lora(model, config)
     got = [p for p, _ in lora_modules(model)]
     if got != saved_modules:
-        raise ValueError(f"load_adapters: the adapters in {directory!r} were saved for modules {saved_modules[:4]}..., "
-                         f"this model's targets give {got[:4]}...")
+        raise ValueError(
+            f"load_adapters: the adapters in {directory!r} were saved for modules "
+            f"{saved_modules[:4]}..., "
+            f"this model's targets give {got[:4]}..."
+        )
     arrays = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
     for path, m in lora_modules(model):
         for name in ("lora_a", "lora_b"):
             value = arrays[f"{path}/{name}"]
             var = getattr(m, name)
             if tuple(value.shape) != tuple(var.shape):
-                raise ValueError(f"load_adapters: {path}/{name} has shape {value.shape} in {directory!r}, "
-                                 f"the model expects {tuple(var.shape)} (different rank or model)")
+                raise ValueError(
+                    f"load_adapters: {path}/{name} has shape {value.shape} in {directory!r}, "
+                    f"the model expects {tuple(var.shape)} (different rank or model)"
+                )
             var[...] = jnp.asarray(value, var[...].dtype)
     return model
 
 
-__all__ = ["Frozen", "LoRAConfig", "LoRALinear", "DEFAULT_TARGETS", "apply_lora", "merge_lora", "freeze", "unfreeze",
-           "lora_modules", "linear_paths", "adapter_arrays", "save_adapters", "load_adapters"]
+__all__ = [
+    "Frozen",
+    "LoRAConfig",
+    "LoRALinear",
+    "DEFAULT_TARGETS",
+    "apply_lora",
+    "merge_lora",
+    "freeze",
+    "unfreeze",
+    "lora_modules",
+    "linear_paths",
+    "adapter_arrays",
+    "save_adapters",
+    "load_adapters",
+]

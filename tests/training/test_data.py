@@ -1,13 +1,12 @@
 """Data pipeline: packing correctness, determinism, exact iterator resume, sources, tokenizer."""
 import json
-import os
 
 import numpy as np
 import pytest
 
-from pallasite.training.config import train_defaults
 from pallasite.models.tokenizer import load_tokenizer, train_bpe
 from pallasite.training import data as D
+from pallasite.training.config import train_defaults
 
 
 def _docs(lengths, start=10):

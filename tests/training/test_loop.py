@@ -1,6 +1,5 @@
 """The training loop end to end on configs/tiny.py: outputs, exact resume after a real SIGKILL,
 NaN stop keeping the last good checkpoint."""
-import json
 import math
 import os
 import signal
@@ -11,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from pallasite.training.config import load_config
 from pallasite.training.checkpointing import Checkpointer
+from pallasite.training.config import load_config
 from pallasite.training.loop import train
 from pallasite.training.metrics import read_jsonl
 
@@ -144,9 +143,9 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
     assert records[-1]["step"] == 9 and records[-1]["loss"] == "nan"
     # the kept checkpoint is finite
     from pallasite import sharding as shd
+    from pallasite.models.tokenizer import load_tokenizer
     from pallasite.training import step as st
     from pallasite.training.loop import model_config_for
-    from pallasite.models.tokenizer import load_tokenizer
     from pallasite.training.optim import make_optimizer
 
     cfg = model_config_for(config, load_tokenizer(str(workdir / "tokenizer")))

@@ -10,8 +10,15 @@ from flax import nnx
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import init_model
 from pallasite.training.losses.lm import lm_terms
-from pallasite.training.losses.overtone import (FILTERS, OvertoneConfig, forward_kl, keep_mask, overtone_kl,
-                                                overtone_targets, overtone_terms)
+from pallasite.training.losses.overtone import (
+    FILTERS,
+    OvertoneConfig,
+    forward_kl,
+    keep_mask,
+    overtone_kl,
+    overtone_targets,
+    overtone_terms,
+)
 
 
 def _case(seed=0, N=16, V=29):
@@ -36,7 +43,12 @@ def test_lambda_one_is_cross_entropy_exactly(filt):
     g_ce = jax.grad(lambda z: jnp.sum(_ce(z, y)))(z)
     np.testing.assert_allclose(np.asarray(g_kl), np.asarray(g_ce), rtol=0, atol=1e-7)
     # and a smoothed target really differs (the test can fail)
-    assert float(jnp.max(jnp.abs(overtone_kl(z, y, OvertoneConfig(lam=0.5, filter=filt))[0] - _ce(z, y)))) > 1e-2
+    assert (
+        float(
+            jnp.max(jnp.abs(overtone_kl(z, y, OvertoneConfig(lam=0.5, filter=filt))[0] - _ce(z, y)))
+        )
+        > 1e-2
+    )
 
 
 def test_lambda_one_through_the_model_matches_the_lm_loss():
@@ -44,11 +56,13 @@ def test_lambda_one_through_the_model_matches_the_lm_loss():
     model = init_model(cfg, seed=1)
     rng = np.random.default_rng(2)
     B, T = 2, 9
-    batch = {"tokens": jnp.asarray(rng.integers(0, 37, (B, T)), jnp.int32),
-             "targets": jnp.asarray(rng.integers(0, 37, (B, T)), jnp.int32),
-             "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-             "segment_ids": jnp.ones((B, T), jnp.int32),
-             "loss_mask": jnp.asarray(rng.random((B, T)) > 0.3, jnp.float32)}
+    batch = {
+        "tokens": jnp.asarray(rng.integers(0, 37, (B, T)), jnp.int32),
+        "targets": jnp.asarray(rng.integers(0, 37, (B, T)), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+        "segment_ids": jnp.ones((B, T), jnp.int32),
+        "loss_mask": jnp.asarray(rng.random((B, T)) > 0.3, jnp.float32),
+    }
     g, p, o = nnx.split(model, nnx.Param, ...)
 
     def value(fn, params):
@@ -106,10 +120,14 @@ def test_clipped_out_tokens_are_pushed_down():
     kept_other = keep & ~target
     assert clipped.sum() > 100 and kept_other.sum() > 5
     assert (g[clipped] > 0).all()  # gradient descent lowers their logits ...
-    np.testing.assert_allclose(g[clipped], np.asarray(p)[clipped], rtol=1e-5)  # ... by the full softmax mass
-    assert (g[kept_other] < g_ce[kept_other] - 1e-6).all()  # kept plausible tokens are pushed down less than CE
+    np.testing.assert_allclose(
+        g[clipped], np.asarray(p)[clipped], rtol=1e-5
+    )  # ... by the full softmax mass
+    assert (
+        g[kept_other] < g_ce[kept_other] - 1e-6
+    ).all()  # kept plausible tokens are pushed down less than CE
     assert (g[target] < 0).all()  # the edit target still goes up
-    # negative control: at lam = 1 the kept tokens get exactly the CE push (the check above would fail)
+    # negative control: at lam = 1 kept tokens get exactly the CE push (the check above fails)
     g1 = np.asarray(jax.grad(lambda z: jnp.sum(overtone_kl(z, y, OvertoneConfig(lam=1.0))[0]))(z))
     np.testing.assert_allclose(g1[kept_other], g_ce[kept_other], atol=1e-7)
 

@@ -36,7 +36,8 @@ def test_a_missing_or_broken_chat_template_is_named(tok):
     bare = train_bpe(TEXTS, 300)
     with pytest.raises(ValueError, match="chat template missing: .* has no chat_template"):
         chat.chat_template_of(bare)
-    broken = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|user|>{% endif %}"
+    broken = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}<|user|>{% endif %}")
     with pytest.raises(ValueError, match="does not render the prompt as a prefix"):
         chat.encode_example(tok, MSGS, broken)
     with pytest.raises(ValueError, match="last message must be the assistant"):
@@ -59,7 +60,9 @@ def test_packing_keeps_examples_whole_in_their_own_segments():
             assert (rows["positions"][r, where] == np.arange(len(where))).all()  # positions restart
             toks = np.r_[rows["tokens"][r, where], rows["targets"][r, where][-1]]
             seen.append(tuple(toks))
-    assert sorted(seen) == sorted(tuple(e[0]) for e in examples)  # every example whole, exactly once
+    assert sorted(seen) == sorted(
+        tuple(e[0]) for e in examples
+    )  # every example whole, exactly once
     assert (rows["loss_mask"][rows["segment_ids"] == 0] == 0).all()
     assert rows["loss_mask"].sum() == sum(e[1][1:].sum() for e in examples)
     with pytest.raises(ValueError, match="example 0 needs 19 positions"):
@@ -70,13 +73,25 @@ def test_prompt_positions_get_exactly_zero_gradient():
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
     model = init_model(cfg, seed=0)
     rng = np.random.default_rng(1)
-    examples = [(rng.integers(3, 40, n).astype(np.int32), np.r_[np.zeros(p), np.ones(n - p)].astype(np.float32))
-                for n, p in ((9, 5), (7, 3), (10, 6))]
+    examples = [
+        (
+            rng.integers(3, 40, n).astype(np.int32),
+            np.r_[np.zeros(p), np.ones(n - p)].astype(np.float32),
+        )
+        for n, p in ((9, 5), (7, 3), (10, 6))
+    ]
     rows = {k: jnp.asarray(v) for k, v in chat.pack_examples(examples, 24, pad_id=0).items()}
-    hidden = jax.jit(lambda r: model(r["tokens"], r["positions"], segment_ids_BT=r["segment_ids"],
-                                     return_hidden=True)[0])(rows)
+    hidden = jax.jit(
+        lambda r: model(
+            r["tokens"], r["positions"], segment_ids_BT=r["segment_ids"], return_hidden=True
+        )[0]
+    )(rows)
     for chunk in (0, 8):  # the loss the sft / lm kinds use, whole and vocab-chunked
-        grad = jax.jit(jax.grad(lambda h, r: cross_entropy_sum(model, h, r["targets"], r["loss_mask"], chunk)[0]))
+        grad = jax.jit(
+            jax.grad(
+                lambda h, r: cross_entropy_sum(model, h, r["targets"], r["loss_mask"], chunk)[0]
+            )
+        )
         per_pos = np.asarray(jnp.abs(grad(hidden, rows)).sum(-1))
         mask = np.asarray(rows["loss_mask"])
         assert (per_pos[mask == 0] == 0.0).all()  # exactly zero at prompt (and padding) positions

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from pallasite import sharding as shd
-from pallasite.registry import LOSS
-from pallasite.training.config import train_defaults
 from pallasite.models.config import ModelConfig
+from pallasite.registry import LOSS
 from pallasite.training import optim
 from pallasite.training import step as st
+from pallasite.training.config import train_defaults
 
 CFG = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 B, T = 8, 16

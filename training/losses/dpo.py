@@ -1,6 +1,6 @@
 """Direct Preference Optimization (Rafailov et al. 2023) over the one train step (``loss="dpo"``).
 
-    L = −log σ(β [(log π_θ(y_w|x) − log π_ref(y_w|x)) − (log π_θ(y_l|x) − log π_ref(y_l|x))])
+  L = −log σ(β [(log π_θ(y_w|x) − log π_ref(y_w|x)) − (log π_θ(y_l|x) − log π_ref(y_l|x))])
 
 averaged over pairs. Each batch row holds one pair, packed as two segments of the same row: the
 chosen response ``y_w`` in segment 1 and the rejected ``y_l`` in segment 2, each after its own copy
@@ -46,18 +46,31 @@ def dpo_loss(policy_logps_B2, ref_logps_B2, beta: float):
 def dpo_terms(model, batch: dict, config: DPOConfig = None, chunk: int = 0) -> LossTerms:
     config = config or DPOConfig()
     logps, _, aux = sequence_logprobs(model, batch, n_segments=2)
-    loss, margin, chosen, rejected = dpo_loss(logps, batch["ref_logps"].astype(jnp.float32), config.beta)
-    metrics = {"reward_accuracy": jnp.mean((margin > 0).astype(jnp.float32)), "margin": jnp.mean(margin),
-               "chosen_reward": jnp.mean(chosen), "rejected_reward": jnp.mean(rejected)}
-    return LossTerms(total=jnp.sum(loss), count=jnp.float32(loss.shape[0]),
-                     aux={k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}, metrics=metrics)
+    loss, margin, chosen, rejected = dpo_loss(
+        logps, batch["ref_logps"].astype(jnp.float32), config.beta
+    )
+    metrics = {
+        "reward_accuracy": jnp.mean((margin > 0).astype(jnp.float32)),
+        "margin": jnp.mean(margin),
+        "chosen_reward": jnp.mean(chosen),
+        "rejected_reward": jnp.mean(rejected),
+    }
+    return LossTerms(
+        total=jnp.sum(loss),
+        count=jnp.float32(loss.shape[0]),
+        aux={k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
+        metrics=metrics,
+    )
 
 
 def pairs_in_batch(batch: dict):
     return jnp.float32(batch["ref_logps"].shape[0])
 
 
-LOSS.register("dpo", LossKind(terms=dpo_terms, normalizer=pairs_in_batch, batch_keys=DPO_BATCH_KEYS),
-              config=DPOConfig)
+LOSS.register(
+    "dpo",
+    LossKind(terms=dpo_terms, normalizer=pairs_in_batch, batch_keys=DPO_BATCH_KEYS),
+    config=DPOConfig,
+)
 
 __all__ = ["DPOConfig", "DPO_BATCH_KEYS", "dpo_loss", "dpo_terms"]

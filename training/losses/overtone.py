@@ -5,7 +5,7 @@ What is implemented (the brief's reconstruction; the PDF's §4 could not be read
 filter and any λ schedule are unverified): at every response position t the one-hot target is
 replaced by
 
-    q_t = λ · e_{y_t} + (1 − λ) · sg[ filter(π_θ(· | x, y_<t)) ],     L = Σ_t m_t KL(q_t ‖ π_θ) / Σ_t m_t
+    q_t = λ · e_{y_t} + (1 − λ) · sg[filter(π_θ(· | x, y_<t))],   L = Σ_t m_t KL(q_t ‖ π_θ) / Σ m_t
 
 where filter keeps the model's own high-probability tokens and renormalises them (``min_p``: π_v ≥
 ε · max π — default, ε = 0.1; ``top_p``; ``top_k``; ``threshold``: π_v ≥ ε) and sg is stop-gradient.
@@ -64,7 +64,11 @@ def keep_mask(probs_NV, config: OvertoneConfig):
         sorted_p = jnp.take_along_axis(probs_NV, order, axis=-1)
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each token
         keep_sorted = before < config.top_p
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(probs_NV.shape[0])[:, None], order].set(keep_sorted)
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(probs_NV.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
     return keep | (probs_NV >= jnp.max(probs_NV, axis=-1, keepdims=True))
 
 
@@ -99,10 +103,24 @@ def overtone_terms(model, batch: dict, config: OvertoneConfig = None, chunk: int
     kl, kept = overtone_kl(logits.reshape(B * T, V), batch["targets"].reshape(B * T), config)
     m = batch["loss_mask"].reshape(B * T).astype(jnp.float32)
     n = jnp.sum(m)
-    return LossTerms(total=jnp.sum(kl * m), count=n, aux={k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
-                     metrics={"kept_tokens": jnp.sum(kept * m) / jnp.maximum(n, 1.0)})
+    return LossTerms(
+        total=jnp.sum(kl * m),
+        count=n,
+        aux={k: jnp.asarray(v, jnp.float32) for k, v in aux.items()},
+        metrics={"kept_tokens": jnp.sum(kept * m) / jnp.maximum(n, 1.0)},
+    )
 
 
-LOSS.register("overtone", LossKind(terms=overtone_terms, normalizer=masked_tokens), config=OvertoneConfig)
+LOSS.register(
+    "overtone", LossKind(terms=overtone_terms, normalizer=masked_tokens), config=OvertoneConfig
+)
 
-__all__ = ["OvertoneConfig", "FILTERS", "keep_mask", "overtone_targets", "forward_kl", "overtone_kl", "overtone_terms"]
+__all__ = [
+    "OvertoneConfig",
+    "FILTERS",
+    "keep_mask",
+    "overtone_targets",
+    "forward_kl",
+    "overtone_kl",
+    "overtone_terms",
+]

@@ -12,7 +12,7 @@ streams (``pure_stream``), bit for bit, and the on-policy fraction is Binomial(n
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -31,12 +31,15 @@ class Pair:
 
     def __post_init__(self):
         if self.chosen == self.rejected:
-            raise ValueError(f"preference pair for prompt {self.prompt.messages[-1]!r}: chosen == rejected "
-                             f"({self.chosen!r}); a pair needs two different responses")
+            raise ValueError(
+                f"preference pair for prompt {self.prompt.messages[-1]!r}: chosen == rejected "
+                f"({self.chosen!r}); a pair needs two different responses"
+            )
 
 
-def onpolicy_pairs(prompts: Sequence[Prompt], samples: Sequence[Sequence[str]],
-                   rewards: Sequence[Sequence[float]]) -> list[Pair]:
+def onpolicy_pairs(
+    prompts: Sequence[Prompt], samples: Sequence[Sequence[str]], rewards: Sequence[Sequence[float]]
+) -> list[Pair]:
     """Best vs worst sample per prompt (first best, last worst); prompts whose samples all score the
     same, or whose best and worst texts are equal, give no pair."""
     out = []
@@ -66,7 +69,9 @@ def pure_stream(pool: Sequence[Pair], n: int, seed: int, *, source: str) -> list
     return [pool[i] for i in pool_order(len(pool), n, seed, stream)]
 
 
-def simplemix(on: Sequence[Pair], off: Sequence[Pair], n: int, seed: int, ratio: float = 0.5) -> list[Pair]:
+def simplemix(
+    on: Sequence[Pair], off: Sequence[Pair], n: int, seed: int, ratio: float = 0.5
+) -> list[Pair]:
     """n pairs, each on-policy with probability ``ratio`` (SimpleMix)."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"simplemix: ratio must lie in [0, 1], got {ratio!r}")
@@ -76,8 +81,9 @@ def simplemix(on: Sequence[Pair], off: Sequence[Pair], n: int, seed: int, ratio:
     return [on[order_on[k]] if coins[k] else off[order_off[k]] for k in range(n)]
 
 
-def mixture(on: Sequence[Pair], off: Sequence[Pair], n: int, seed: int, source: str,
-            ratio: float = 0.5) -> list[Pair]:
+def mixture(
+    on: Sequence[Pair], off: Sequence[Pair], n: int, seed: int, source: str, ratio: float = 0.5
+) -> list[Pair]:
     """The training stream of ``source`` (onpolicy | offpolicy | simplemix)."""
     if source not in SOURCES:
         raise ValueError(f"preference source {source!r}; expected one of {SOURCES}")
@@ -106,11 +112,26 @@ def pairs_from_records(records, *, where: str = "off-policy pool") -> list[Pair]
             if k not in r:
                 raise KeyError(f"{where} record {i}: missing {k!r}")
         try:
-            out.append(Pair(Prompt.make(msgs, str(r.get("family", "default"))), str(r["chosen"]), str(r["rejected"])))
+            out.append(
+                Pair(
+                    Prompt.make(msgs, str(r.get("family", "default"))),
+                    str(r["chosen"]),
+                    str(r["rejected"]),
+                )
+            )
         except ValueError as e:
             raise ValueError(f"{where} record {i}: {e}") from None
     return out
 
 
-__all__ = ["Pair", "SOURCES", "onpolicy_pairs", "pool_order", "pure_stream", "simplemix", "mixture",
-           "onpolicy_fraction", "pairs_from_records"]
+__all__ = [
+    "Pair",
+    "SOURCES",
+    "onpolicy_pairs",
+    "pool_order",
+    "pure_stream",
+    "simplemix",
+    "mixture",
+    "onpolicy_fraction",
+    "pairs_from_records",
+]

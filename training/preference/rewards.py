@@ -1,4 +1,5 @@
-"""The reward-function interface: ``reward(prompt, response) -> float`` (programmatic; higher is better).
+"""The reward-function interface: ``reward(prompt, response) -> float`` (programmatic; higher =
+better).
 
 A ``Prompt`` carries the chat messages, a family name (for per-family reports) and ``meta``: what
 a programmatic reward needs to score a response (the right answer, a topic, hidden tests, …).
@@ -23,7 +24,11 @@ class Prompt:
 
     @staticmethod
     def make(messages: Sequence[Mapping], family: str = "default", **meta) -> "Prompt":
-        return Prompt(tuple(tuple(sorted(dict(m).items())) for m in messages), family, tuple(sorted(meta.items())))
+        return Prompt(
+            tuple(tuple(sorted(dict(m).items())) for m in messages),
+            family,
+            tuple(sorted(meta.items())),
+        )
 
     @property
     def message_dicts(self) -> list[dict]:
@@ -34,7 +39,9 @@ class Prompt:
         return dict(self.meta)
 
 
-def score(reward: RewardFn, prompts: Sequence[Prompt], responses: Sequence[Sequence[str]]) -> list[list[float]]:
+def score(
+    reward: RewardFn, prompts: Sequence[Prompt], responses: Sequence[Sequence[str]]
+) -> list[list[float]]:
     """rewards[i][j] of responses[i][j] to prompts[i]."""
     if len(prompts) != len(responses):
         raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} response lists")
@@ -54,13 +61,19 @@ def exact_answer(key: str = "answer") -> RewardFn:
     return reward
 
 
-def code_tests(extract: Callable[[str], str], make_program: Callable[[str, Prompt], str], *,
-               timeout_s: float = 3.0) -> RewardFn:
+def code_tests(
+    extract: Callable[[str], str],
+    make_program: Callable[[str, Prompt], str],
+    *,
+    timeout_s: float = 3.0,
+) -> RewardFn:
     """1.0 when the program built from the response's code passes in the sandbox, else 0.0."""
     from pallasite.eval.execution.sandbox import run_python
 
     def reward(prompt: Prompt, response: str) -> float:
-        return float(run_python(make_program(extract(response), prompt), timeout_s=timeout_s).passed)
+        return float(
+            run_python(make_program(extract(response), prompt), timeout_s=timeout_s).passed
+        )
 
     return reward
 

@@ -1,7 +1,7 @@
 """n responses per prompt from a model, batched through the inference engine (``generate_ids``).
 
     texts = sample_responses(model, prompts, n=8, temperature=1.0, max_new_tokens=24, seed=0)
-    # texts[i][j]: the j-th sample for prompts[i] (chat-template prompt, decoded, end-of-turn stripped)
+    # texts[i][j]: the j-th sample for prompts[i] (chat-template prompt; end of turn stripped)
 
 ``model`` is a ``pallasite.Model`` (config, state, tokenizer) — e.g. the SFT policy. Each prompt
 is rendered with the chat template (``add_generation_prompt``), repeated n times and generated
@@ -36,9 +36,19 @@ def decode_response(tokenizer, ids: Sequence[int], stops: Sequence[int]) -> str:
     return tokenizer.decode(cut, skip_special_tokens=True)
 
 
-def sample_responses(model, prompts, *, n: int = 1, temperature: float = 1.0, top_p=None, max_new_tokens: int = 32,
-                     seed: int = 0, batch_size: int = 256, chat_template: str = "") -> list[list[str]]:
-    """``n`` sampled responses (strings) for each prompt (a list of chat messages or a ``Prompt``)."""
+def sample_responses(
+    model,
+    prompts,
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p=None,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_size: int = 256,
+    chat_template: str = "",
+) -> list[list[str]]:
+    """``n`` sampled responses (strings) per prompt (a list of chat messages or a ``Prompt``)."""
     if n < 1:
         raise ValueError(f"sample_responses: n must be >= 1, got {n}")
     tok = model.tokenizer
@@ -46,15 +56,27 @@ def sample_responses(model, prompts, *, n: int = 1, temperature: float = 1.0, to
     msgs = [p.message_dicts if hasattr(p, "message_dicts") else list(p) for p in prompts]
     rows = [prompt_ids(tok, m, template) for m in msgs for _ in range(n)]
     stops = stop_ids(model)
-    gen = GenerationConfig(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=top_p,
-                           stop_tokens=stops)
+    gen = GenerationConfig(
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=top_p,
+        stop_tokens=stops,
+    )
     out: list[list[int]] = []
     base = jax.random.key(int(seed))
     for b, s in enumerate(range(0, len(rows), batch_size)):
-        out.extend(generate_ids(model.graphdef, model.state, model.config, rows[s:s + batch_size], gen,
-                                key=jax.random.fold_in(base, b)))
+        out.extend(
+            generate_ids(
+                model.graphdef,
+                model.state,
+                model.config,
+                rows[s : s + batch_size],
+                gen,
+                key=jax.random.fold_in(base, b),
+            )
+        )
     texts = [decode_response(tok, ids, stops) for ids in out]
-    return [texts[i * n:(i + 1) * n] for i in range(len(msgs))]
+    return [texts[i * n : (i + 1) * n] for i in range(len(msgs))]
 
 
 __all__ = ["sample_responses", "decode_response", "stop_ids"]

@@ -22,10 +22,48 @@ import numpy as np
 from pallasite.training.preference.rewards import Prompt, exact_answer
 
 FAMILIES = ("objective", "open_ended")
-TOPICS = ("river", "forest", "city", "garden", "storm", "harbor", "desert", "valley", "market", "bridge",
-          "castle", "meadow", "island", "canyon", "village", "glacier")
-PLAIN = ("calm", "wide", "old", "small", "quiet", "large", "cold", "warm", "long", "dark", "green", "busy")
-VIVID = ("radiant", "luminous", "majestic", "shimmering", "vibrant", "glorious", "dazzling", "splendid")
+TOPICS = (
+    "river",
+    "forest",
+    "city",
+    "garden",
+    "storm",
+    "harbor",
+    "desert",
+    "valley",
+    "market",
+    "bridge",
+    "castle",
+    "meadow",
+    "island",
+    "canyon",
+    "village",
+    "glacier",
+)
+PLAIN = (
+    "calm",
+    "wide",
+    "old",
+    "small",
+    "quiet",
+    "large",
+    "cold",
+    "warm",
+    "long",
+    "dark",
+    "green",
+    "busy",
+)
+VIVID = (
+    "radiant",
+    "luminous",
+    "majestic",
+    "shimmering",
+    "vibrant",
+    "glorious",
+    "dazzling",
+    "splendid",
+)
 VIVID_RATE = 0.03
 OBJECTIVE_RANGE = (0, 50)
 _OPEN = re.compile(r"^the (\w+) is (\w+) and (\w+)\.$")
@@ -33,12 +71,16 @@ _OPEN = re.compile(r"^the (\w+) is (\w+) and (\w+)\.$")
 
 def objective_prompt(rng) -> Prompt:
     a, b = (int(x) for x in rng.integers(*OBJECTIVE_RANGE, size=2))
-    return Prompt.make([{"role": "user", "content": f"Add {a} and {b}."}], "objective", answer=a + b)
+    return Prompt.make(
+        [{"role": "user", "content": f"Add {a} and {b}."}], "objective", answer=a + b
+    )
 
 
 def open_prompt(rng) -> Prompt:
     topic = TOPICS[int(rng.integers(len(TOPICS)))]
-    return Prompt.make([{"role": "user", "content": f"Describe the {topic}."}], "open_ended", topic=topic)
+    return Prompt.make(
+        [{"role": "user", "content": f"Describe the {topic}."}], "open_ended", topic=topic
+    )
 
 
 def make_prompts(n_per_family: int, seed: int) -> list[Prompt]:
@@ -93,7 +135,7 @@ def expert_response(prompt: Prompt, rng) -> str:
 
 
 def other_model_answer(prompt: Prompt, rng, p_correct: float = 0.6) -> str:
-    """Another model's answer to an objective prompt, in its own format; wrong ones are off by 1–10."""
+    """Another model's answer to an objective prompt, in its own format; wrong ones off by 1–10."""
     ans = int(prompt.info["answer"])
     if rng.random() >= p_correct:
         ans += int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
@@ -122,10 +164,28 @@ def sft_examples(n_per_family: int, seed: int) -> list[dict]:
     rng = np.random.default_rng([seed, 78])
     out = []
     for p in make_prompts(n_per_family, seed):
-        out.append({"messages": p.message_dicts + [{"role": "assistant", "content": sft_response(p, rng)}],
-                    "family": p.family})
+        out.append(
+            {
+                "messages": p.message_dicts
+                + [{"role": "assistant", "content": sft_response(p, rng)}],
+                "family": p.family,
+            }
+        )
     return out
 
 
-__all__ = ["FAMILIES", "TOPICS", "PLAIN", "VIVID", "VIVID_RATE", "make_prompts", "reward", "style_reward",
-           "sft_response", "expert_response", "other_model_answer", "offpolicy_pair", "sft_examples"]
+__all__ = [
+    "FAMILIES",
+    "TOPICS",
+    "PLAIN",
+    "VIVID",
+    "VIVID_RATE",
+    "make_prompts",
+    "reward",
+    "style_reward",
+    "sft_response",
+    "expert_response",
+    "other_model_answer",
+    "offpolicy_pair",
+    "sft_examples",
+]

@@ -28,7 +28,12 @@ import numpy as np
 
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.recipes import chat
-from pallasite.training.recipes.model_init import InitFields, finish_save, load_start_model, model_hooks
+from pallasite.training.recipes.model_init import (
+    InitFields,
+    finish_save,
+    load_start_model,
+    model_hooks,
+)
 
 VARIANTS = ("code_only", "cot_first", "code_first")
 KS = (1, 2, 3, 4, 5)
@@ -196,7 +201,9 @@ def test_program(code_text: str, spec: Spec) -> str:
     return f"{code_text}\n\n{checks}\n"
 
 
-def pass_at_1(completions: Sequence[str], specs: Sequence[Spec], *, workers: int = 2, timeout_s: float = 3.0) -> dict:
+def pass_at_1(
+    completions: Sequence[str], specs: Sequence[Spec], *, workers: int = 2, timeout_s: float = 3.0
+) -> dict:
     """Greedy pass@1: each completion's first code block run against its spec's hidden tests."""
     from pallasite.eval.execution.sandbox import run_many
 
@@ -204,13 +211,21 @@ def pass_at_1(completions: Sequence[str], specs: Sequence[Spec], *, workers: int
     programs = [test_program(c, s) for c, s in zip(codes, specs) if c is not None]
     results = iter(run_many(programs, workers=workers, timeout_s=timeout_s, memory_mb=512))
     passed = [c is not None and next(results).passed for c in codes]
-    return {"pass@1": float(np.mean(passed)), "extracted": float(np.mean([c is not None for c in codes])),
-            "passed": int(sum(passed)), "total": len(passed)}
+    return {
+        "pass@1": float(np.mean(passed)),
+        "extracted": float(np.mean([c is not None for c in codes])),
+        "passed": int(sum(passed)),
+        "total": len(passed),
+    }
 
 
 def sample_record(spec: Spec, variant: str) -> dict:
-    return {"messages": [{"role": "user", "content": instruction(spec)},
-                         {"role": "assistant", "content": response(spec, variant)}]}
+    return {
+        "messages": [
+            {"role": "user", "content": instruction(spec)},
+            {"role": "assistant", "content": response(spec, variant)},
+        ]
+    }
 
 
 def token_roles(tokenizer, spec: Spec, variant: str) -> list[str]:
@@ -243,21 +258,29 @@ class CodeCoTDataConfig(InitFields):
 
 
 def all_texts(specs: Sequence[Spec]) -> list[str]:
-    """Every instruction, CoT and code: the tokenizer's training text (the same for every variant)."""
+    """Every instruction, CoT and code: the tokenizer's training text (one for all variants)."""
     return [t for s in specs for t in (instruction(s), cot(s), fence(code(s)))]
 
 
 def build_code_cot(config, workdir: str, kc: CodeCoTDataConfig) -> DataSpec:
     if kc.variant not in VARIANTS:
         raise ValueError(f"data.kind_config.variant={kc.variant!r}; expected one of {VARIANTS}")
-    from pallasite.training.recipes.sft_data import chat_tokenizer, encode_records, packed_spec_parts
+    from pallasite.training.recipes.sft_data import (
+        chat_tokenizer,
+        encode_records,
+        packed_spec_parts,
+    )
 
     train_specs, test_specs = split_specs(kc.n_train, kc.n_test, kc.data_seed)
     loaded = load_start_model(kc)
     tok = chat_tokenizer(config, workdir, all_texts(train_specs), loaded)
     template = chat.chat_template_of(tok, kc.chat_template)
-    train_ex = encode_records(tok, [sample_record(s, kc.variant) for s in train_specs], template, "code_cot train")
-    eval_ex = encode_records(tok, [sample_record(s, kc.variant) for s in test_specs], template, "code_cot eval")
+    train_ex = encode_records(
+        tok, [sample_record(s, kc.variant) for s in train_specs], template, "code_cot train"
+    )
+    eval_ex = encode_records(
+        tok, [sample_record(s, kc.variant) for s in test_specs], template, "code_cot eval"
+    )
     train, eval_batches = packed_spec_parts(config, tok, train_ex, eval_ex)
     hooks = model_hooks(kc, loaded)
     if "model_config" not in hooks:
@@ -271,20 +294,58 @@ def build_code_cot(config, workdir: str, kc: CodeCoTDataConfig) -> DataSpec:
 
         model = as_model(cfg, graphdef, state, tok)
         prompts = [[{"role": "user", "content": instruction(s)}] for s in test_specs]
-        texts = [t[0] for t in sample_responses(model, prompts, n=1, temperature=0.0,
-                                                max_new_tokens=kc.max_new_tokens, chat_template=kc.chat_template)]
+        texts = [
+            t[0]
+            for t in sample_responses(
+                model,
+                prompts,
+                n=1,
+                temperature=0.0,
+                max_new_tokens=kc.max_new_tokens,
+                chat_template=kc.chat_template,
+            )
+        ]
         out = {f"code/{k}": v for k, v in pass_at_1(texts, test_specs).items()}
         out.update(finish_save(kc, graphdef, state, wd))
         return out
 
-    summary = (f"code_cot data ({kc.variant}): {len(train_ex)} train specs -> {train.num_rows} rows "
-               f"({train.num_tokens} response tokens, {train.batches_per_epoch} batches/epoch), {len(test_specs)} test")
-    return DataSpec(tok, train, eval_batches, int(config.data.batch_size) * int(config.data.seq_len),
-                    summary=summary, finish=finish, **hooks)
+    summary = (
+        f"code_cot data ({kc.variant}): {len(train_ex)} train specs -> {train.num_rows} rows "
+        f"({train.num_tokens} response tokens, {train.batches_per_epoch} batches/epoch), "
+        f"{len(test_specs)} test"
+    )
+    return DataSpec(
+        tok,
+        train,
+        eval_batches,
+        int(config.data.batch_size) * int(config.data.seq_len),
+        summary=summary,
+        finish=finish,
+        **hooks,
+    )
 
 
 DATA_KIND.register("code_cot", build_code_cot, config=CodeCoTDataConfig)
 
-__all__ = ["VARIANTS", "Spec", "LIST_OPS", "REDUCTIONS", "instruction", "code", "cot", "fence", "response",
-           "random_spec", "make_specs", "split_specs", "extract_code", "test_program", "pass_at_1", "sample_record",
-           "token_roles", "CodeCoTDataConfig", "build_code_cot", "all_texts"]
+__all__ = [
+    "VARIANTS",
+    "Spec",
+    "LIST_OPS",
+    "REDUCTIONS",
+    "instruction",
+    "code",
+    "cot",
+    "fence",
+    "response",
+    "random_spec",
+    "make_specs",
+    "split_specs",
+    "extract_code",
+    "test_program",
+    "pass_at_1",
+    "sample_record",
+    "token_roles",
+    "CodeCoTDataConfig",
+    "build_code_cot",
+    "all_texts",
+]

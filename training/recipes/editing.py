@@ -28,17 +28,81 @@ import numpy as np
 
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.recipes import chat
-from pallasite.training.recipes.model_init import InitFields, finish_save, load_start_model, model_hooks
+from pallasite.training.recipes.model_init import (
+    InitFields,
+    finish_save,
+    load_start_model,
+    model_hooks,
+)
 
-FIRST = ("Ada", "Boris", "Cora", "Dmitri", "Elin", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lior",
-         "Mara", "Nils", "Olga", "Pavel", "Rhea", "Soren", "Tess", "Umar")
-LAST = ("Achterberg", "Brennholt", "Castellan", "Dravnik", "Everwood", "Falkirk", "Gorunov", "Halloran", "Istvan",
-        "Jorvik", "Kestrel", "Lindqvist", "Morrow", "Novak", "Ostrander", "Pryce", "Quillon", "Ravensk")
+FIRST = (
+    "Ada",
+    "Boris",
+    "Cora",
+    "Dmitri",
+    "Elin",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Lior",
+    "Mara",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Rhea",
+    "Soren",
+    "Tess",
+    "Umar",
+)
+LAST = (
+    "Achterberg",
+    "Brennholt",
+    "Castellan",
+    "Dravnik",
+    "Everwood",
+    "Falkirk",
+    "Gorunov",
+    "Halloran",
+    "Istvan",
+    "Jorvik",
+    "Kestrel",
+    "Lindqvist",
+    "Morrow",
+    "Novak",
+    "Ostrander",
+    "Pryce",
+    "Quillon",
+    "Ravensk",
+)
 CITY_A = ("Port", "San", "New", "Fort", "Lake", "Mount", "East", "Saint")
-CITY_B = ("Vela", "Orin", "Tamsk", "Brevik", "Calder", "Myrra", "Zolt", "Ardent", "Quessa", "Lunet", "Harrow", "Pell")
+CITY_B = (
+    "Vela",
+    "Orin",
+    "Tamsk",
+    "Brevik",
+    "Calder",
+    "Myrra",
+    "Zolt",
+    "Ardent",
+    "Quessa",
+    "Lunet",
+    "Harrow",
+    "Pell",
+)
 COUNTRIES = ("Veloria", "Kastrand", "Ombria", "Teshlan", "Arvania", "Dunmere")
-COMPANIES = ("Helix Works", "Norland Mills", "Corvid Labs", "Tallow Freight", "Brightwater Bank", "Ironleaf Foods",
-             "Quartz Media", "Solent Motors")
+COMPANIES = (
+    "Helix Works",
+    "Norland Mills",
+    "Corvid Labs",
+    "Tallow Freight",
+    "Brightwater Bank",
+    "Ironleaf Foods",
+    "Quartz Media",
+    "Solent Motors",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +120,11 @@ class World:
         return dict(self.city_country)[city]
 
 
-def make_world(n_subjects: int = 120, n_cities: int = 16, n_countries: int = 4, seed: int = 0) -> World:
+def make_world(
+    n_subjects: int = 120, n_cities: int = 16, n_countries: int = 4, seed: int = 0
+) -> World:
     rng = np.random.default_rng([seed, 31])
-    names = [f"{f} {l}" for f in FIRST for l in LAST]
+    names = [f"{first} {last}" for first in FIRST for last in LAST]
     if n_subjects > len(names):
         raise ValueError(f"make_world: at most {len(names)} subjects, got {n_subjects}")
     subjects = tuple(names[i] for i in rng.permutation(len(names))[:n_subjects])
@@ -86,8 +152,11 @@ def work_prompt(s: str) -> str:
 def sentences(world: World, city_repeats: int = 4) -> list[str]:
     out = []
     for s, city, comp in zip(world.subjects, world.born_in, world.works_for):
-        out += [f"{edit_prompt(s)} {city}, a city in {world.country(city)}.", f"{paraphrase_prompt(s)} {city}.",
-                f"{work_prompt(s)} {comp}."]
+        out += [
+            f"{edit_prompt(s)} {city}, a city in {world.country(city)}.",
+            f"{paraphrase_prompt(s)} {city}.",
+            f"{work_prompt(s)} {comp}.",
+        ]
     out += [f"{c} is a city in {k}." for c, k in world.city_country for _ in range(city_repeats)]
     return out
 
@@ -156,8 +225,12 @@ def build_facts(config, workdir: str, kc: FactsDataConfig) -> DataSpec:
     T, B = int(config.data.seq_len), int(config.data.batch_size)
     pad = int(tok.pad_token_id or 0)
     order = np.random.default_rng([config.seed, 5]).permutation(len(examples))
-    train = chat.RowDataset(chat.pack_examples(examples, T, pad_id=pad, order=order), batch_size=B, seed=config.seed)
-    eval_batches = chat.all_batches(chat.pack_examples(examples, T, pad_id=pad), B)[: int(config.data.eval_batches)]
+    train = chat.RowDataset(
+        chat.pack_examples(examples, T, pad_id=pad, order=order), batch_size=B, seed=config.seed
+    )
+    eval_batches = chat.all_batches(chat.pack_examples(examples, T, pad_id=pad), B)[
+        : int(config.data.eval_batches)
+    ]
     hooks = model_hooks(kc, loaded)
     if "model_config" not in hooks:
         from pallasite.training.loop import model_config_for
@@ -174,8 +247,11 @@ def build_facts(config, workdir: str, kc: FactsDataConfig) -> DataSpec:
         chain = [parse_country(t) == world.country(e.old_city) for e, t in zip(probe, texts_)]
         return {"facts/recall": float(np.mean(known)), "facts/two_hop": float(np.mean(chain))}
 
-    summary = f"facts data: {len(world.subjects)} people, {len(world.cities)} cities, {len(texts)} sentences " \
-              f"-> {train.num_rows} rows ({train.batches_per_epoch} batches/epoch)"
+    summary = (
+        f"facts data: {len(world.subjects)} people, {len(world.cities)} cities, "
+        f"{len(texts)} sentences "
+        f"-> {train.num_rows} rows ({train.batches_per_epoch} batches/epoch)"
+    )
     return DataSpec(tok, train, eval_batches, B * T, summary=summary, finish=finish, **hooks)
 
 
@@ -187,8 +263,15 @@ def greedy(model, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
     tok = model.tokenizer
     ids = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
     stops = stop_ids(model)
-    out = generate_ids(model.graphdef, model.state, model.config, ids, max_new_tokens=int(max_new_tokens),
-                       temperature=0.0, stop_tokens=stops)
+    out = generate_ids(
+        model.graphdef,
+        model.state,
+        model.config,
+        ids,
+        max_new_tokens=int(max_new_tokens),
+        temperature=0.0,
+        stop_tokens=stops,
+    )
     return [decode_response(tok, o, stops) for o in out]
 
 
@@ -206,8 +289,15 @@ def edit_rows(tokenizer, edits: Sequence[Edit], seq_len: int) -> dict:
     for e in edits:
         p = list(tokenizer.encode(edit_prompt(e.subject), add_special_tokens=False))
         t = list(tokenizer.encode(" " + e.new_city, add_special_tokens=False))
-        examples.append((np.asarray(p + t, np.int32), np.r_[np.zeros(len(p)), np.ones(len(t))].astype(np.float32)))
-    return chat.pack_examples(examples, seq_len, pad_id=int(tokenizer.pad_token_id or 0), max_segments=1)
+        examples.append(
+            (
+                np.asarray(p + t, np.int32),
+                np.r_[np.zeros(len(p)), np.ones(len(t))].astype(np.float32),
+            )
+        )
+    return chat.pack_examples(
+        examples, seq_len, pad_id=int(tokenizer.pad_token_id or 0), max_segments=1
+    )
 
 
 def baseline_outputs(model, world: World, edits: Sequence[Edit], kc: EditDataConfig) -> dict:
@@ -227,7 +317,9 @@ def edit_metrics(model, edits: Sequence[Edit], baseline: dict, eval_tokens: int 
         "reliability": float(np.mean([t.startswith(" " + e.new_city) for e, t in zip(edits, rel)])),
         "generality": float(np.mean([t.startswith(" " + e.new_city) for e, t in zip(edits, gen)])),
         "locality": float(np.mean([a == b for a, b in zip(loc, baseline["outputs"])])),
-        "portability": float(np.mean([parse_country(t) == e.new_country for e, t in zip(edits, rel)])),
+        "portability": float(
+            np.mean([parse_country(t) == e.new_country for e, t in zip(edits, rel)])
+        ),
     }
 
 
@@ -260,8 +352,11 @@ def hto(prob_history: np.ndarray, mask: np.ndarray, threshold: float = 0.9) -> d
 
 def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
     if not kc.init_from:
-        raise ValueError("the edit data kind edits a model trained on the facts world: set data.kind_config.init_from "
-                         "(e.g. the workdir of configs/recipes/overtone.py's facts stage, data.kind='facts')")
+        raise ValueError(
+            "the edit data kind edits a model trained on the facts world: set "
+            "data.kind_config.init_from "
+            "(e.g. the workdir of configs/recipes/overtone.py's facts stage, data.kind='facts')"
+        )
     loaded = load_start_model(kc)
     world = _world(kc)
     edits = choose_edits(world, kc.n_edits, kc.edit_seed)
@@ -269,8 +364,11 @@ def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
     rows = edit_rows(tok, edits, int(config.data.seq_len))
     B = int(config.data.batch_size)
     if len(rows["tokens"]) % B:
-        raise ValueError(f"edit data: {len(rows['tokens'])} edits must fill whole batches of data.batch_size={B} "
-                         "(use batch_size = n_edits for batch editing)")
+        raise ValueError(
+            f"edit data: {len(rows['tokens'])} edits must fill whole batches of "
+            f"data.batch_size={B} "
+            "(use batch_size = n_edits for batch editing)"
+        )
     train = chat.RowDataset(rows, batch_size=B, seed=config.seed, shuffle=False)
     baseline = baseline_outputs(loaded, world, edits, kc)
     before = edit_metrics(loaded, edits, baseline, kc.eval_tokens)
@@ -280,12 +378,22 @@ def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
 
         out = {f"before/{k}": v for k, v in before.items()}
         out.update(finish_save(kc, graphdef, state, wd))
-        out.update(edit_metrics(as_model(cfg, graphdef, state, tok), edits, baseline, kc.eval_tokens))
+        out.update(
+            edit_metrics(as_model(cfg, graphdef, state, tok), edits, baseline, kc.eval_tokens)
+        )
         return out
 
-    summary = f"edit data: {len(edits)} edits (batch editing), {len(baseline['prompts'])} locality prompts"
-    spec = DataSpec(tok, train, train.first_batches(1), B * int(config.data.seq_len), summary=summary, finish=finish,
-                    **model_hooks(kc, loaded))
+    n_loc = len(baseline["prompts"])
+    summary = f"edit data: {len(edits)} edits (batch editing), {n_loc} locality prompts"
+    spec = DataSpec(
+        tok,
+        train,
+        train.first_batches(1),
+        B * int(config.data.seq_len),
+        summary=summary,
+        finish=finish,
+        **model_hooks(kc, loaded),
+    )
     spec.edit_rows, spec.edits = rows, edits  # for HTO tracking by callers (benchmarks/recipes.py)
     return spec
 
@@ -293,6 +401,24 @@ def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
 DATA_KIND.register("facts", build_facts, config=FactsDataConfig)
 DATA_KIND.register("edit", build_edit, config=EditDataConfig)
 
-__all__ = ["World", "Edit", "make_world", "sentences", "choose_edits", "edit_prompt", "paraphrase_prompt",
-           "work_prompt", "FactsDataConfig", "EditDataConfig", "build_facts", "build_edit", "greedy", "parse_country",
-           "edit_rows", "baseline_outputs", "edit_metrics", "target_token_probs", "hto"]
+__all__ = [
+    "World",
+    "Edit",
+    "make_world",
+    "sentences",
+    "choose_edits",
+    "edit_prompt",
+    "paraphrase_prompt",
+    "work_prompt",
+    "FactsDataConfig",
+    "EditDataConfig",
+    "build_facts",
+    "build_edit",
+    "greedy",
+    "parse_country",
+    "edit_rows",
+    "baseline_outputs",
+    "edit_metrics",
+    "target_token_probs",
+    "hto",
+]
