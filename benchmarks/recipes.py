@@ -156,7 +156,7 @@ def _hto_hook(config, probs_history):
 def overtone_section(out: dict, root: str, seeds, quick: bool) -> None:
     from pallasite.training.recipes import editing
 
-    facts_steps, edit_steps = (250, 30) if quick else (500, 40)
+    facts_steps, edit_steps = (250, 15) if quick else (500, 15)
     facts = run("overtone", f"stage=facts,steps={facts_steps}", os.path.join(root, "facts"))
     modes = ("ft",) if quick else ("ft", "lora")
     table = {}
@@ -206,22 +206,40 @@ def overtone_section(out: dict, root: str, seeds, quick: bool) -> None:
     out["facts_recall"], out["facts_two_hop"] = facts["facts/recall"], facts["facts/two_hop"]
 
 
+def code_batches_per_epoch(variant: str, n_train: int) -> int:
+    """Packed batches per epoch of a code_cot variant (builds its data in a scratch folder)."""
+    import tempfile
+
+    from pallasite.training.data import DATA_KIND, data_kind_of
+
+    config = _config("code_cot", f"variant={variant},n_train={n_train}")
+    kind, raw = data_kind_of(config.data)
+    with tempfile.TemporaryDirectory() as scratch:
+        spec = DATA_KIND.get(kind)(config, scratch, DATA_KIND.make_config(kind, raw))
+    return spec.train.batches_per_epoch
+
+
 def code_cot_section(out: dict, root: str, seeds, quick: bool) -> None:
     steps, n_train = (80, 800) if quick else (240, 1600)
+    # the same epochs for every variant: code_only rows are shorter, so it takes fewer steps
+    per_epoch = {v: code_batches_per_epoch(v, n_train) for v in ("code_only", "cot_first")}
+    epochs = steps / per_epoch["cot_first"]
+    variant_steps = {"cot_first": steps, "code_first": steps,
+                     "code_only": max(1, round(epochs * per_epoch["code_only"]))}
     res = {}
     for seed in seeds:
         for variant in ("code_only", "cot_first", "code_first"):
             r = run(
                 "code_cot",
-                f"variant={variant},steps={steps},n_train={n_train}",
+                f"variant={variant},steps={variant_steps[variant]},n_train={n_train}",
                 os.path.join(root, f"code_{variant}_s{seed}"),
                 [f"--config.seed={seed}"],
             )
             res.setdefault(variant, []).append(r)
     print(
         f"\nCode SFT orderings: {res['code_first'][0]['num_params'] / 1e6:.2f}M params, "
-        f"{n_train} specs, {steps} steps "
-        f"x 16 x 192 tokens, {len(seeds)} seed(s); greedy pass@1 on 100 held-out specs (sandboxed)"
+        f"{n_train} specs, {epochs:.2f} epochs (steps {variant_steps}; 16 x 192 tokens each), "
+        f"{len(seeds)} seed(s); greedy pass@1 on 100 held-out specs (sandboxed)"
     )
     for v, rs in res.items():
         print(

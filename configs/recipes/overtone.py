@@ -77,7 +77,7 @@ def get_config(arg=None):
             c.train.loss = "sft"
         else:
             raise ValueError(f"overtone config: method={arg.method!r}; expected ce | overtone")
-        c.train.steps = 40
+        c.train.steps = 15
         c.train.log_every = 5
         c.train.eval_every = 0
         c.train.checkpoint_every = 0
