@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallasite.errors import ConfigError, DataError
 from pallasite.models.layers import Linear, LinearBase
 
 DEFAULT_TARGETS = ("attn/(q|k|v|o)_proj", "ffn/(gate|up|down)_proj")
@@ -56,9 +57,9 @@ class LoRAConfig:
         object.__setattr__(self, "targets", tuple(self.targets))
         object.__setattr__(self, "trainable", tuple(self.trainable))
         if int(self.rank) < 1:
-            raise ValueError(f"LoRAConfig.rank must be >= 1, got {self.rank!r}")
+            raise ConfigError(f"LoRAConfig.rank must be >= 1, got {self.rank!r}")
         if not self.targets:
-            raise ValueError("LoRAConfig.targets is empty; name at least one module path pattern")
+            raise ConfigError("LoRAConfig.targets is empty; name at least one module path pattern")
 
     @property
     def scale(self) -> float:
@@ -128,12 +129,12 @@ def _set_child(model, path, value) -> None:
 
 def linear_paths(model) -> list[str]:
     """Paths of every linear module (any kind) in ``model``."""
-    return [_path_str(p) for p, m in model.iter_modules() if isinstance(m, LinearBase)]
+    return [_path_str(p) for p, m in nnx.iter_modules(model) if isinstance(m, LinearBase)]
 
 
 def _variables(model):
     """(module path, attribute, Variable) of every variable held directly by a module."""
-    for path, module in model.iter_modules():
+    for path, module in nnx.iter_modules(model):
         for name, value in list(vars(module).items()):
             if isinstance(value, nnx.Variable):
                 yield path, name, value
@@ -145,7 +146,7 @@ def _compile(patterns: Sequence[str], field: str):
         try:
             out.append(re.compile(p))
         except re.error as e:
-            raise ValueError(f"{field}: {p!r} is not a valid regular expression ({e})") from None
+            raise ConfigError(f"{field}: {p!r} is not a valid regular expression ({e})") from None
     return out
 
 
@@ -166,7 +167,7 @@ def freeze(model, trainable: Sequence[str] = (), *, field: str = "trainable"):
             setattr(module, name, Frozen(var[...], **var.get_metadata()))
     for p, n in zip(trainable, hits):
         if n == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"{field}: pattern {p!r} matches no parameter; parameters look like "
                 f"{', '.join(_param_paths(model)[:6])}, ..."
             )
@@ -203,7 +204,7 @@ def apply_lora(model, config: LoRAConfig, *, seed: int = 0):
     if not isinstance(config, LoRAConfig):
         raise TypeError(f"apply_lora: config must be a LoRAConfig, got {type(config).__name__}")
     pats = _compile(config.targets, "LoRAConfig.targets")
-    linears = [(p, m) for p, m in model.iter_modules() if isinstance(m, LinearBase)]
+    linears = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, LinearBase)]
     if any(isinstance(m, LoRALinear) for _, m in linears):
         raise ValueError("apply_lora: the model already carries LoRA adapters (merge_lora first)")
     chosen, hits = [], [0] * len(pats)
@@ -214,14 +215,14 @@ def apply_lora(model, config: LoRAConfig, *, seed: int = 0):
             hits[i] += 1
         if matched:
             if type(module) is not Linear:
-                raise ValueError(
+                raise ConfigError(
                     f"LoRA target {s!r} is a {type(module).__name__}; LoRA wraps float linears only"
                 )
             chosen.append((path, module))
     for p, n in zip(config.targets, hits):
         if n == 0:
             shown = ", ".join(_path_str(q) for q, _ in linears[:8])
-            raise ValueError(
+            raise ConfigError(
                 f"LoRA target {p!r} matches no module; linear modules are {shown}"
                 f"{', ...' if len(linears) > 8 else ''}"
             )
@@ -236,13 +237,13 @@ def apply_lora(model, config: LoRAConfig, *, seed: int = 0):
 
 
 def lora_modules(model) -> list[tuple[str, LoRALinear]]:
-    return [(_path_str(p), m) for p, m in model.iter_modules() if isinstance(m, LoRALinear)]
+    return [(_path_str(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)]
 
 
 def merge_lora(model):
     """Fold every adapter into its kernel (W + (alpha/r) A B), restore plain float linears and make
     every parameter trainable again: the model has the original structure (in place; returns it)."""
-    for path, module in [(p, m) for p, m in model.iter_modules() if isinstance(m, LoRALinear)]:
+    for path, module in [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)]:
         ns = types.SimpleNamespace(
             dtype=str(module.dtype), param_dtype=str(module.kernel[...].dtype)
         )
@@ -301,7 +302,7 @@ def load_adapters(model, directory: str):
     apply_lora(model, config)
     got = [p for p, _ in lora_modules(model)]
     if got != saved_modules:
-        raise ValueError(
+        raise DataError(
             f"load_adapters: the adapters in {directory!r} were saved for modules "
             f"{saved_modules[:4]}..., "
             f"this model's targets give {got[:4]}..."
@@ -312,7 +313,7 @@ def load_adapters(model, directory: str):
             value = arrays[f"{path}/{name}"]
             var = getattr(m, name)
             if tuple(value.shape) != tuple(var.shape):
-                raise ValueError(
+                raise DataError(
                     f"load_adapters: {path}/{name} has shape {value.shape} in {directory!r}, "
                     f"the model expects {tuple(var.shape)} (different rank or model)"
                 )

@@ -13,6 +13,7 @@ before and after. HTO needs the per-step probabilities: ``benchmarks/recipes.py`
 """
 
 from pallasite.configs.recipes.sft import kind_config, toy_model
+from pallasite.errors import ConfigError
 from pallasite.training.config import parse_arg, train_defaults
 from pallasite.training.losses.overtone import OvertoneConfig
 from pallasite.training.recipes.editing import EditDataConfig, FactsDataConfig
@@ -76,14 +77,14 @@ def get_config(arg=None):
         elif arg.method == "ce":
             c.train.loss = "sft"
         else:
-            raise ValueError(f"overtone config: method={arg.method!r}; expected ce | overtone")
+            raise ConfigError(f"overtone config: method={arg.method!r}; expected ce | overtone")
         c.train.steps = 15
         c.train.log_every = 5
         c.train.eval_every = 0
         c.train.checkpoint_every = 0
         c.train.keep_checkpoints = 1
     else:
-        raise ValueError(f"overtone config: stage={arg.stage!r}; expected facts | edit")
+        raise ConfigError(f"overtone config: stage={arg.stage!r}; expected facts | edit")
     if arg.steps:
         c.train.steps = arg.steps
     return c

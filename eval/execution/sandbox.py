@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
+from pallasite.errors import InputError
+
 BLOCK_MARK = "__PALLASITE_SANDBOX_BLOCKED__"
 ISOLATION_MARK = "__PALLASITE_SANDBOX_ISOLATION__"
 
@@ -153,7 +155,7 @@ def run_python(
             f"run_python: program must be a str of Python source, got {type(program).__name__}"
         )
     if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError(
+        raise InputError(
             f"run_python: timeout_s ({timeout_s}) and memory_mb ({memory_mb}) must be positive"
         )
     tmp = tempfile.mkdtemp(prefix="pallasite_sandbox_")

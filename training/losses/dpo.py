@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallasite.errors import ConfigError
 from pallasite.registry import LOSS
 from pallasite.training.losses import LM_BATCH_KEYS, LossKind, LossTerms
 from pallasite.training.losses.sft import sequence_logprobs
@@ -32,7 +33,7 @@ class DPOConfig:
 
     def __post_init__(self):
         if not self.beta > 0:
-            raise ValueError(f"DPOConfig.beta must be > 0, got {self.beta!r}")
+            raise ConfigError(f"DPOConfig.beta must be > 0, got {self.beta!r}")
 
 
 def dpo_loss(policy_logps_B2, ref_logps_B2, beta: float):

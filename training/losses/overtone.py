@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
+from pallasite.errors import ConfigError
 from pallasite.registry import LOSS
 from pallasite.training.losses import LossKind, LossTerms
 from pallasite.training.losses.lm import masked_tokens
@@ -43,11 +44,11 @@ class OvertoneConfig:
 
     def __post_init__(self):
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"OvertoneConfig.lam must lie in [0, 1], got {self.lam!r}")
+            raise ConfigError(f"OvertoneConfig.lam must lie in [0, 1], got {self.lam!r}")
         if self.filter not in FILTERS:
-            raise ValueError(f"OvertoneConfig.filter={self.filter!r}; expected one of {FILTERS}")
+            raise ConfigError(f"OvertoneConfig.filter={self.filter!r}; expected one of {FILTERS}")
         if self.filter == "top_k" and int(self.top_k) < 1:
-            raise ValueError(f"OvertoneConfig.top_k must be >= 1, got {self.top_k!r}")
+            raise ConfigError(f"OvertoneConfig.top_k must be >= 1, got {self.top_k!r}")
 
 
 def keep_mask(probs_NV, config: OvertoneConfig):

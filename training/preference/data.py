@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallasite.errors import ConfigError
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.losses.sft import sequence_logprobs
 from pallasite.training.preference import pairs as pairs_lib
@@ -168,13 +169,13 @@ def toy_pools(model, kc: PreferenceDataConfig, seed: int, prompts):
 
 def build_preference(config, workdir: str, kc: PreferenceDataConfig) -> DataSpec:
     if not kc.init_from:
-        raise ValueError(
+        raise ConfigError(
             "the preference data kind starts from the SFT model, which is also the frozen "
             "reference: "
             "set data.kind_config.init_from to it (e.g. the workdir of configs/recipes/sft.py)"
         )
     if kc.mix not in pairs_lib.SOURCES:
-        raise ValueError(f"data.kind_config.mix={kc.mix!r}; expected one of {pairs_lib.SOURCES}")
+        raise ConfigError(f"data.kind_config.mix={kc.mix!r}; expected one of {pairs_lib.SOURCES}")
     loaded = load_start_model(kc)
     tok = loaded.tokenizer
     template = chat.chat_template_of(
@@ -191,20 +192,20 @@ def build_preference(config, workdir: str, kc: PreferenceDataConfig) -> DataSpec
         )
     elif kc.source == "jsonl":
         if kc.mix != "offpolicy":
-            raise ValueError(
+            raise ConfigError(
                 f"data.kind_config.mix={kc.mix!r} with source='jsonl': on-policy pairs need a "
                 "programmatic "
                 "reward; use mix='offpolicy' (or source='toy')"
             )
         if not kc.offpolicy_paths:
-            raise ValueError("data.kind_config.offpolicy_paths is empty (source='jsonl')")
+            raise ConfigError("data.kind_config.offpolicy_paths is empty (source='jsonl')")
         on, off = [], pairs_lib.pairs_from_records(read_jsonl(kc.offpolicy_paths))
         eval_pairs = off[: max(B * int(config.data.eval_batches), B)]
     else:
-        raise ValueError(f"data.kind_config.source={kc.source!r}; expected 'toy' or 'jsonl'")
+        raise ConfigError(f"data.kind_config.source={kc.source!r}; expected 'toy' or 'jsonl'")
     needs_on = kc.mix == "onpolicy" or (kc.mix == "simplemix" and kc.ratio > 0)
     if needs_on and not on:
-        raise ValueError(
+        raise ConfigError(
             "no on-policy pairs: every prompt's samples scored the same (raise n_samples or "
             "temperature, "
             "or train the SFT model longer)"

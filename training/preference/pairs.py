@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pallasite.errors import DataError, InputError
 from pallasite.training.preference.rewards import Prompt
 
 SOURCES = ("onpolicy", "offpolicy", "simplemix")
@@ -31,7 +32,7 @@ class Pair:
 
     def __post_init__(self):
         if self.chosen == self.rejected:
-            raise ValueError(
+            raise DataError(
                 f"preference pair for prompt {self.prompt.messages[-1]!r}: chosen == rejected "
                 f"({self.chosen!r}); a pair needs two different responses"
             )
@@ -54,7 +55,7 @@ def onpolicy_pairs(
 def pool_order(pool_size: int, n: int, seed: int, stream: int) -> np.ndarray:
     """n indices into a pool: seeded permutations of ``range(pool_size)`` back to back."""
     if pool_size < 1:
-        raise ValueError("pool_order: the pool is empty")
+        raise InputError("pool_order: the pool is empty")
     rng = np.random.default_rng([seed, stream])
     reps = -(-n // pool_size)
     return np.concatenate([rng.permutation(pool_size) for _ in range(reps)])[:n]
@@ -74,7 +75,7 @@ def simplemix(
 ) -> list[Pair]:
     """n pairs, each on-policy with probability ``ratio`` (SimpleMix)."""
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"simplemix: ratio must lie in [0, 1], got {ratio!r}")
+        raise InputError(f"simplemix: ratio must lie in [0, 1], got {ratio!r}")
     coins = np.random.default_rng([seed, COIN_STREAM]).random(n) < ratio
     order_on = pool_order(len(on), n, seed, ON_STREAM) if coins.any() else None
     order_off = pool_order(len(off), n, seed, OFF_STREAM) if (~coins).any() else None
@@ -86,7 +87,7 @@ def mixture(
 ) -> list[Pair]:
     """The training stream of ``source`` (onpolicy | offpolicy | simplemix)."""
     if source not in SOURCES:
-        raise ValueError(f"preference source {source!r}; expected one of {SOURCES}")
+        raise InputError(f"preference source {source!r}; expected one of {SOURCES}")
     if source == "onpolicy":
         return pure_stream(on, n, seed, source="onpolicy")
     if source == "offpolicy":
@@ -107,10 +108,10 @@ def pairs_from_records(records, *, where: str = "off-policy pool") -> list[Pair]
         elif "prompt" in r:
             msgs = [{"role": "user", "content": str(r["prompt"])}]
         else:
-            raise KeyError(f"{where} record {i}: expected 'prompt' or 'messages'; got {sorted(r)}")
+            raise DataError(f"{where} record {i}: expected 'prompt' or 'messages'; got {sorted(r)}")
         for k in ("chosen", "rejected"):
             if k not in r:
-                raise KeyError(f"{where} record {i}: missing {k!r}")
+                raise DataError(f"{where} record {i}: missing {k!r}")
         try:
             out.append(
                 Pair(
@@ -120,7 +121,7 @@ def pairs_from_records(records, *, where: str = "off-policy pool") -> list[Pair]
                 )
             )
         except ValueError as e:
-            raise ValueError(f"{where} record {i}: {e}") from None
+            raise DataError(f"{where} record {i}: {e}") from None
     return out
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import re
 from typing import Callable, Mapping, Sequence
 
+from pallasite.errors import InputError
+
 RewardFn = Callable[["Prompt", str], float]
 
 
@@ -44,7 +46,7 @@ def score(
 ) -> list[list[float]]:
     """rewards[i][j] of responses[i][j] to prompts[i]."""
     if len(prompts) != len(responses):
-        raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} response lists")
+        raise InputError(f"score: {len(prompts)} prompts but {len(responses)} response lists")
     return [[float(reward(p, r)) for r in rs] for p, rs in zip(prompts, responses)]
 
 

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import jax
 
+from pallasite.errors import InputError
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.engine import generate_ids
 from pallasite.training.recipes.chat import chat_template_of, prompt_ids
@@ -50,7 +51,7 @@ def sample_responses(
 ) -> list[list[str]]:
     """``n`` sampled responses (strings) per prompt (a list of chat messages or a ``Prompt``)."""
     if n < 1:
-        raise ValueError(f"sample_responses: n must be >= 1, got {n}")
+        raise InputError(f"sample_responses: n must be >= 1, got {n}")
     tok = model.tokenizer
     template = chat_template_of(tok, chat_template)
     msgs = [p.message_dicts if hasattr(p, "message_dicts") else list(p) for p in prompts]

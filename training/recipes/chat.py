@@ -24,6 +24,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from pallasite.errors import ConfigError, DataError
 from pallasite.training.data import BatchIterator
 
 # A minimal template for tokenizers trained here (special tokens below); ``<|eos|>`` ends a turn.
@@ -43,7 +44,7 @@ def chat_template_of(tokenizer, override: str = "", *, where: str = "tokenizer")
     template = override or getattr(tokenizer, "chat_template", None)
     if not template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(
+        raise ConfigError(
             f"chat template missing: {where} {name!r} has no chat_template; set "
             "data.kind_config.chat_template to a Jinja template or use a tokenizer that carries one"
         )
@@ -61,12 +62,12 @@ def messages_of(record: Mapping, *, where: str = "example") -> list[dict]:
             {"role": "assistant", "content": str(record["response"])},
         ]
     else:
-        raise KeyError(
+        raise DataError(
             f"{where}: expected a 'messages' list or 'prompt' + 'response' fields; "
             f"got {sorted(record)}"
         )
     if len(msgs) < 2 or msgs[-1].get("role") != "assistant":
-        raise ValueError(
+        raise DataError(
             f"{where}: the last message must be the assistant's response (role 'assistant'); "
             f"got roles {[m.get('role') for m in msgs]}"
         )
@@ -98,7 +99,7 @@ def encode_example(
     prompt_text = render(tokenizer, messages[:-1], template, True)
     full_text = render(tokenizer, messages, template, False)
     if not full_text.startswith(prompt_text):
-        raise ValueError(
+        raise ConfigError(
             f"{where}: the chat template does not render the prompt as a prefix of the full "
             f"conversation (prompt {prompt_text[-40:]!r} vs full "
             f"{full_text[: len(prompt_text)][-40:]!r}); "
@@ -107,7 +108,7 @@ def encode_example(
     p_ids = _encode(tokenizer, prompt_text)
     r_ids = _encode(tokenizer, full_text[len(prompt_text) :])
     if not r_ids:
-        raise ValueError(f"{where}: the response renders to no tokens")
+        raise DataError(f"{where}: the response renders to no tokens")
     ids = np.asarray(p_ids + r_ids, np.int32)
     mask = np.concatenate([np.zeros(len(p_ids), np.float32), np.ones(len(r_ids), np.float32)])
     return ids, mask
@@ -140,11 +141,11 @@ def pack_examples(
         ids, _ = examples[i]
         n = len(ids) - 1
         if n < 1:
-            raise ValueError(
+            raise DataError(
                 f"pack_examples: example {i} has {len(ids)} token(s); needs at least 2"
             )
         if n > T:
-            raise ValueError(
+            raise DataError(
                 f"pack_examples: example {i} needs {n} positions ({len(ids)} tokens), more than "
                 f"data.seq_len={T}; raise seq_len or shorten it"
             )
@@ -176,7 +177,7 @@ def pack_pairs(
     for r, (c_ids, c_mask, r_ids, r_mask) in enumerate(pairs):
         one = pack_examples([(c_ids, c_mask), (r_ids, r_mask)], seq_len, pad_id=pad_id)
         if len(one["tokens"]) != 1:
-            raise ValueError(
+            raise DataError(
                 f"pack_pairs: pair {r} (chosen {len(c_ids)} + rejected {len(r_ids)} tokens) "
                 f"does not fit "
                 f"one row of data.seq_len={seq_len}"
@@ -202,7 +203,7 @@ class RowDataset:
         )
         self.batches_per_epoch = n // self.batch_size
         if self.batches_per_epoch < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"RowDataset: {n} rows give fewer than one batch of {self.batch_size}; "
                 "use more examples or a smaller data.batch_size"
             )

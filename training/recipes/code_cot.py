@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pallasite.errors import ConfigError
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.recipes import chat
 from pallasite.training.recipes.model_init import (
@@ -146,7 +147,7 @@ def response(spec: Spec, variant: str) -> str:
         return f"{cot(spec)}\n{fence(code(spec))}"
     if variant == "code_first":
         return f"{fence(code(spec))}\n{cot(spec)}"
-    raise ValueError(f"code_cot variant {variant!r}; expected one of {VARIANTS}")
+    raise ConfigError(f"code_cot variant {variant!r}; expected one of {VARIANTS}")
 
 
 def _random_list(rng, max_len: int = 6) -> tuple:
@@ -264,7 +265,7 @@ def all_texts(specs: Sequence[Spec]) -> list[str]:
 
 def build_code_cot(config, workdir: str, kc: CodeCoTDataConfig) -> DataSpec:
     if kc.variant not in VARIANTS:
-        raise ValueError(f"data.kind_config.variant={kc.variant!r}; expected one of {VARIANTS}")
+        raise ConfigError(f"data.kind_config.variant={kc.variant!r}; expected one of {VARIANTS}")
     from pallasite.training.recipes.sft_data import (
         chat_tokenizer,
         encode_records,

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pallasite.errors import ConfigError
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.recipes import chat
 from pallasite.training.recipes.model_init import (
@@ -126,7 +127,7 @@ def make_world(
     rng = np.random.default_rng([seed, 31])
     names = [f"{first} {last}" for first in FIRST for last in LAST]
     if n_subjects > len(names):
-        raise ValueError(f"make_world: at most {len(names)} subjects, got {n_subjects}")
+        raise ConfigError(f"make_world: at most {len(names)} subjects, got {n_subjects}")
     subjects = tuple(names[i] for i in rng.permutation(len(names))[:n_subjects])
     cities_all = [f"{a} {b}" for a in CITY_A for b in CITY_B]
     cities = [cities_all[i] for i in rng.permutation(len(cities_all))[:n_cities]]
@@ -352,7 +353,7 @@ def hto(prob_history: np.ndarray, mask: np.ndarray, threshold: float = 0.9) -> d
 
 def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
     if not kc.init_from:
-        raise ValueError(
+        raise ConfigError(
             "the edit data kind edits a model trained on the facts world: set "
             "data.kind_config.init_from "
             "(e.g. the workdir of configs/recipes/overtone.py's facts stage, data.kind='facts')"
@@ -364,7 +365,7 @@ def build_edit(config, workdir: str, kc: EditDataConfig) -> DataSpec:
     rows = edit_rows(tok, edits, int(config.data.seq_len))
     B = int(config.data.batch_size)
     if len(rows["tokens"]) % B:
-        raise ValueError(
+        raise ConfigError(
             f"edit data: {len(rows['tokens'])} edits must fill whole batches of "
             f"data.batch_size={B} "
             "(use batch_size = n_edits for batch editing)"

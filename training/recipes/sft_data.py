@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from pallasite.errors import ConfigError, DataError
 from pallasite.training.data import DATA_KIND, DataSpec
 from pallasite.training.recipes import chat
 from pallasite.training.recipes.model_init import (
@@ -58,7 +59,7 @@ def read_jsonl(paths) -> list[dict]:
                     try:
                         out.append(json.loads(line))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     return out
 
 
@@ -68,7 +69,7 @@ def chat_tokenizer(config, workdir: str, texts, loaded=None, *, vocab_size: Opti
 
     if loaded is not None:
         if loaded.tokenizer is None:
-            raise ValueError(f"init_from={loaded.path!r} has no tokenizer; chat data needs one")
+            raise ConfigError(f"init_from={loaded.path!r} has no tokenizer; chat data needs one")
         return loaded.tokenizer
     if config.tokenizer.path:
         return load_tokenizer(config.tokenizer.path)
@@ -130,9 +131,9 @@ def sft_records(kc: SFTDataConfig) -> tuple[list[dict], list[dict]]:
             [r for i, r in enumerate(records) if not i % every],
         )
     if kc.source != "jsonl":
-        raise ValueError(f"data.kind_config.source={kc.source!r}; expected one of {SOURCES}")
+        raise ConfigError(f"data.kind_config.source={kc.source!r}; expected one of {SOURCES}")
     if not kc.paths:
-        raise ValueError(
+        raise ConfigError(
             "data.kind_config.paths is empty; the sft data kind needs jsonl files of chat examples"
         )
     records = read_jsonl(kc.paths)
@@ -188,7 +189,7 @@ def build_sft(config, workdir: str, kc: SFTDataConfig) -> DataSpec:
     loaded = load_start_model(kc)
     train_records, eval_records = sft_records(kc)
     if not train_records or not eval_records:
-        raise ValueError(
+        raise ConfigError(
             f"sft data: {len(train_records)} train / {len(eval_records)} eval examples; "
             "both must be non-empty (heldout_percent, eval_paths)"
         )
