@@ -229,7 +229,8 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     config_json = to_json_dict(config)
 
     # ---- fail fast on a bad model or loss config, before data loading and tokenizer training
-    model_config_for(config, None)
+    if data_lib.data_kind_of(config.data)[0] == "lm":  # other kinds may bring their own model
+        model_config_for(config, None)
     LOSS.get(tc.loss, field="config.train.loss")
 
     # ---- data and tokenizer (config.data.kind; "lm" = packed documents, lm_data below)

@@ -32,19 +32,23 @@ def _losses(workdir):
 
 
 @pytest.mark.slow
-def test_sft_then_dpo_and_simplemix_r0_equals_offpolicy(tmp_path):
-    sft = _run(
-        "sft",
-        "cpu,steps=3",
-        tmp_path / "sft",
-        [
+def test_sft_then_dpo_and_simplemix_r0_equals_offpolicy(tmp_path, monkeypatch):
+    from pallasite import cli
+
+    # the CLI, from a directory without the repository: configs/... resolves to the package's copy
+    monkeypatch.chdir(tmp_path)
+    cli.main(
+        ["train", "--config", "configs/recipes/sft.py:cpu,steps=3", "--workdir", "sft"]
+        + TINY
+        + [
             "--config.data.kind_config.n_examples=100",
             "--config.data.batch_size=8",
             "--config.data.seq_len=64",
             "--config.tokenizer.vocab_size=300",
             "--config.data.kind_config.eval_prompts=4",
-        ],
+        ]
     )
+    sft = json.load(open(tmp_path / "sft" / "result.json"))
     assert {"reward/objective", "reward/open_ended"} <= set(sft) and os.path.exists(
         tmp_path / "sft" / "hf"
     )
@@ -113,11 +117,19 @@ def test_code_first_sft_reports_sandboxed_pass_at_1(tmp_path):
     assert res["code/total"] == 4 and 0.0 <= res["code/pass@1"] <= 1.0
 
 
-def test_bad_recipe_inputs_are_named(tmp_path):
+def test_bad_recipe_inputs_are_named(tmp_path, capsys):
+    from pallasite import cli
+    from pallasite.errors import ConfigError
     from pallasite.training.data import DATA_KIND
 
-    with pytest.raises(ValueError, match="set data.kind_config.init_from"):
+    with pytest.raises(ConfigError, match="set data.kind_config.init_from"):
         _run("dpo", "cpu", tmp_path / "nodpo")
+    # through the CLI, by module name: one line naming the field, exit status 1, no traceback
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--config", "recipes.dpo:cpu", "--workdir", str(tmp_path / "cli")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "set data.kind_config.init_from" in err
+    assert "Traceback" not in err
     with pytest.raises(ValueError, match="unknown key 'mixx'"):
         DATA_KIND.make_config("preference", {"mixx": "onpolicy"}, field="config.data.kind_config")
     with pytest.raises(
