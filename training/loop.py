@@ -337,8 +337,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
                     last_eval = evaluate(eval_fn, state, eval_batches, batch_sh)
                     writer.write(done, {"loss": last_eval["loss"], "perplexity": last_eval["perplexity"],
                                         "unigram_entropy": unigram}, kind="eval")
-                    _log(f"step {done}: eval loss {last_eval['loss']:.4f} (ppl {last_eval['perplexity']:.2f}; "
-                         f"unigram entropy {unigram:.4f})")
+                    base = f"; unigram entropy {unigram:.4f}" if math.isfinite(unigram) else ""
+                    _log(f"step {done}: eval loss {last_eval['loss']:.4f} (ppl {last_eval['perplexity']:.2f}"
+                         f"{base})")
                     t_window = time.time()  # eval time is not training throughput
                 if do_ckpt or (interrupt.requested and done < total):
                     if not do_ckpt:
