@@ -58,6 +58,7 @@ def test_sft_then_dpo_and_simplemix_r0_equals_offpolicy(tmp_path, monkeypatch):
         "--config.data.kind_config.n_samples=2",
         "--config.data.kind_config.eval_prompts=4",
         "--config.data.batch_size=4",
+        "--config.data.seq_len=128",  # a pair (two prompt copies + responses) must fit one row
         "--config.data.kind_config.max_new_tokens=6",
     ]
     off = _run("dpo", "cpu,steps=3,mix=offpolicy", tmp_path / "off", common)
