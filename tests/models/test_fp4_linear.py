@@ -114,3 +114,22 @@ def test_fp4_model_trains_and_its_checkpoint_serves_as_float_and_as_fp4(tmp_path
     # ... and as FP4 again: the loaded state in an fp4 model gives the FP4 logits exactly
     again = pallasite.Model(config=cfg, state=loaded.state).logits(ids)
     np.testing.assert_array_equal(np.asarray(again), fp4_logits)
+
+
+@pytest.mark.slow  # three short training runs (~3 min on 2 cores)
+def test_benchmark_quick_path_reports_the_gaps_and_fp4_beats_direct(capsys):
+    """``benchmarks/fp4.py --quick`` (fewer steps): one JSON line with the issue's keys, finite
+    losses, and FP4 with DGE + OCC ending below direct FP4 on the same data, seed and steps."""
+    import json
+
+    from pallasite.benchmarks import fp4 as bench
+
+    r = bench.main(["--quick", "--steps", "150"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("loss_bf16", "loss_fp4", "loss_fp4_direct", "loss_gap_fp4_vs_bf16", "loss_gap_direct_vs_bf16",
+                "quant_overhead_per_gemm"):
+        assert np.isfinite(last[key]), key
+        assert last[key] == r[key]
+    assert last["loss_fp4"] < last["loss_fp4_direct"]
+    np.testing.assert_allclose(last["loss_gap_fp4_vs_bf16"], last["loss_fp4"] - last["loss_bf16"])
+    assert last["quant_overhead_per_gemm"] > 0
