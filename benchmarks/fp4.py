@@ -231,6 +231,27 @@ def plot(results: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+_RUN_KEYS = ("name", "seed", "final_eval_loss", "eval_curve", "train_losses", "diverged_at", "step_s", "params")
+
+
+def _save_runs(path: str, size: dict, runs: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump({"size": size, "runs": [{k: r[k] for k in _RUN_KEYS} for r in runs.values()]}, fh)
+
+
+def _load_runs(path: Optional[str], size: dict) -> dict:
+    if not path:
+        raise SystemExit("--resume needs --curves PATH")
+    try:
+        with open(path) as fh:
+            blob = json.load(fh)
+    except FileNotFoundError:
+        return {}
+    if blob.get("size") != size:
+        raise SystemExit(f"--resume: {path} was written for size {blob.get('size')}, not {size}")
+    return {(r["name"], r["seed"]): r for r in blob["runs"]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, bf16/fp4/fp4_direct, one seed (< 10 min)")
@@ -240,7 +261,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--size", choices=sorted(SIZES), default=None)
     p.add_argument("--plot", default=None, help="write the loss curves to this PNG")
-    p.add_argument("--curves", default=None, help="write every curve to this JSON file")
+    p.add_argument("--curves", default=None, help="write every run (curves, losses) to this JSON file, "
+                   "after each run")
+    p.add_argument("--resume", action="store_true", help="reuse the runs already in --curves (same size/steps)")
     args = p.parse_args(argv)
     size = dict(SIZES[args.size or ("quick" if args.quick else "full")])
     if args.steps:
@@ -255,16 +278,24 @@ def main(argv=None) -> dict:
     t_start = time.time()
     train_tok, evals, vocab = prepare_data(size)
 
+    saved = _load_runs(args.curves, size) if args.resume else {}
     results: dict[str, list] = {}
     for name in rows:
         for seed in (seeds if name in HEADLINE else ablation_seeds):
-            cfg = model_config(size, vocab, ROWS[name])
-            t0 = time.time()
-            r = train_row(cfg, train_tok, evals, size, seed, size["steps"])
-            print(f"{name:<11} seed {seed}: eval {r['final_eval_loss']:.4f}  train(last 10%) "
-                  f"{np.mean(r['train_losses'][-max(1, len(r['train_losses']) // 10):]):.4f}  "
-                  f"{r['step_s'] * 1e3:.0f} ms/step  {time.time() - t0:.0f}s"
-                  + (f"  DIVERGED at step {r['diverged_at']}" if r["diverged_at"] else ""), flush=True)
+            if (name, seed) in saved:
+                r = saved[(name, seed)]
+                print(f"{name:<11} seed {seed}: eval {r['final_eval_loss']:.4f}  (resumed from {args.curves})")
+            else:
+                t0 = time.time()
+                r = train_row(model_config(size, vocab, ROWS[name]), train_tok, evals, size, seed, size["steps"])
+                r.update(name=name, seed=seed)
+                print(f"{name:<11} seed {seed}: eval {r['final_eval_loss']:.4f}  train(last 10%) "
+                      f"{np.mean(r['train_losses'][-max(1, len(r['train_losses']) // 10):]):.4f}  "
+                      f"{r['step_s'] * 1e3:.0f} ms/step  {time.time() - t0:.0f}s"
+                      + (f"  DIVERGED at step {r['diverged_at']}" if r["diverged_at"] else ""), flush=True)
+                saved[(name, seed)] = r
+                if args.curves:
+                    _save_runs(args.curves, size, saved)
             results.setdefault(name, []).append(r)
 
     final = {n: float(np.mean([r["final_eval_loss"] for r in runs])) for n, runs in results.items()}
@@ -288,9 +319,9 @@ def main(argv=None) -> dict:
         gap4, gapd = out["loss_gap_fp4_vs_bf16"], out["loss_gap_direct_vs_bf16"]
         out["target_met"] = bool(gapd > 0 and gap4 <= gapd / 3 and gap4 <= 0.05)
     out.update(quantizer_overhead(2048, 2048, 2048))
-    if "bf16" in results:
-        r0 = results["bf16"][0]
-        out.update(table1_on_captured(r0["graphdef"], r0["state"], evals[0]))
+    trained_bf16 = [r for r in results.get("bf16", []) if "state" in r]
+    if trained_bf16:  # needs a model trained in this process (not a resumed record)
+        out.update(table1_on_captured(trained_bf16[0]["graphdef"], trained_bf16[0]["state"], evals[0]))
     out.update(gpu_gemm_4096() if jax.default_backend() == "gpu" else {"gemm4096_fp8_speedup": None})
     out["wall_s"] = time.time() - t_start
 
@@ -309,10 +340,6 @@ def main(argv=None) -> dict:
             print(f"  {k:<12} cos {v['cos']:.4f}  mse {v['mse']:.3e}  snr {v['snr_db']:.2f} dB")
     if args.plot:
         plot(results, args.plot, f"{out['params'] / 1e6:.1f}M params, {size['steps']} steps")
-    if args.curves:
-        with open(args.curves, "w") as fh:
-            json.dump({n: [{k: r[k] for k in ("final_eval_loss", "eval_curve", "train_losses", "diverged_at")}
-                           for r in runs] for n, runs in results.items()}, fh)
     print(json.dumps(out))
     return out
 
