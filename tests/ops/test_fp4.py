@@ -282,26 +282,29 @@ def test_fp4_dot_e5m2_backward_and_dge_differs_from_ste():
     assert yb.dtype == dxb.dtype == jnp.bfloat16 and dwb.dtype == jnp.float32
 
 
-def test_fp4_gmm_equals_fp4_dot_per_expert_group(gmm_impl="tiles"):
+def _value_and_grads(fn):
+    """jit(x, w, g -> (fn(x, w), dx, dw))."""
+    return jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w)))
+
+
+def test_fp4_gmm_equals_fp4_dot_per_expert_group():
     from pallasite.ops.quant.fp4_grouped import fp4_gmm
 
     k = jax.random.split(jax.random.PRNGKey(14), 3)
     gs = jnp.array([5, 0, 9, 6], jnp.int32)  # an empty group, and 4 rows past the groups
     x, w, g = jax.random.t(k[0], 3.0, (24, 32)), jax.random.normal(k[1], (4, 32, 16)) * 0.05, jax.random.normal(k[2], (24, 16))
     ends = np.cumsum(np.asarray(gs))
-    for spec in (FP4GemmSpec(grad_e5m2=False),):  # OCC + DGE
-        y, vjp = jax.vjp(lambda a, b: fp4_gmm(a, b, gs, spec, gmm_impl), x, w)
-        dx, dw = vjp(g)
-        for e, (lo, hi) in enumerate(zip(ends - np.asarray(gs), ends)):
-            if hi == lo:
-                assert float(jnp.max(jnp.abs(dw[e]))) == 0.0
-                continue
-            yr, vr = jax.vjp(lambda a, b: fp4_dot(a, b, spec), x[lo:hi], w[e])
-            for got, want in ((y[lo:hi], yr), *zip((dx[lo:hi], dw[e]), vr(g[lo:hi]))):
-                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
-        assert float(jnp.max(jnp.abs(y[20:]))) == 0.0 and float(jnp.max(jnp.abs(dx[20:]))) == 0.0
-    # with E5M2 gradients (one per-tensor scale for all groups) the gradients stay close
-    dx8, dw8 = jax.vjp(lambda a, b: fp4_gmm(a, b, gs, FP4GemmSpec(), gmm_impl), x, w)[1](g)
-    dx, dw = jax.vjp(lambda a, b: fp4_gmm(a, b, gs, FP4GemmSpec(grad_e5m2=False), gmm_impl), x, w)[1](g)
+    spec = FP4GemmSpec(grad_e5m2=False)  # OCC + DGE, float32 gradients: exact comparison
+    y, dx, dw = _value_and_grads(lambda a, b: fp4_gmm(a, b, gs, spec, "tiles"))(x, w, g)
+    per_group = _value_and_grads(lambda a, b: fp4_dot(a, b, spec))
+    for e, (lo, hi) in enumerate(zip(ends - np.asarray(gs), ends)):
+        if hi == lo:
+            assert float(jnp.max(jnp.abs(dw[e]))) == 0.0
+            continue
+        for got, want in zip((y[lo:hi], dx[lo:hi], dw[e]), per_group(x[lo:hi], w[e], g[lo:hi])):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(y[20:]))) == 0.0 and float(jnp.max(jnp.abs(dx[20:]))) == 0.0
+    # with E5M2 gradients (one per-tensor scale over all groups) the gradients stay close
+    _, dx8, dw8 = _value_and_grads(lambda a, b: fp4_gmm(a, b, gs, FP4GemmSpec(), "tiles"))(x, w, g)
     for a, b in ((dx8, dx), (dw8, dw)):
         assert float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b))) > 0.99
