@@ -75,10 +75,18 @@ class FP4Config:
             bad("select", f"one of {SELECTS}")
 
     def gemm_spec(self) -> FP4GemmSpec:
-        return FP4GemmSpec(w_fmt=BITS_FMT[self.w_bits], a_fmt=BITS_FMT[self.a_bits], scale=self.scale,
-                           w_grad=self.w_grad, dge_k=float(self.k), dge_clamp=float(self.dge_clamp),
-                           occ_alpha=float(self.alpha) if self.occ else None, grad_e5m2=self.grad_e5m2,
-                           impl=self.impl, select=self.select)
+        return FP4GemmSpec(
+            w_fmt=BITS_FMT[self.w_bits],
+            a_fmt=BITS_FMT[self.a_bits],
+            scale=self.scale,
+            w_grad=self.w_grad,
+            dge_k=float(self.k),
+            dge_clamp=float(self.dge_clamp),
+            occ_alpha=float(self.alpha) if self.occ else None,
+            grad_e5m2=self.grad_e5m2,
+            impl=self.impl,
+            select=self.select,
+        )
 
 
 def fp4_config_of(cfg) -> FP4Config:
@@ -89,19 +97,36 @@ def fp4_config_of(cfg) -> FP4Config:
 class FP4Linear(nnx.Module):
     """y = FP4-GEMM(x, kernel) (+ bias); float master ``kernel [in, out]`` and ``bias``."""
 
-    def __init__(self, in_features: int, out_features: int, *, cfg, axes: Sequence[Optional[str]],
-                 use_bias: bool = False, init_std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        cfg,
+        axes: Sequence[Optional[str]],
+        use_bias: bool = False,
+        init_std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
         self.in_features, self.out_features = in_features, out_features
         self.dtype = jnp.dtype(cfg.dtype)
         self.spec = fp4_config_of(cfg).gemm_spec()
         pdt = jnp.dtype(cfg.param_dtype)
         init = jax.nn.initializers.normal(stddev=init_std)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), pdt), logical_axes=tuple(axes))
-        self.bias = nnx.Param(jnp.zeros((out_features,), pdt), logical_axes=(axes[-1],)) if use_bias else None
+        self.kernel = nnx.Param(
+            init(rngs.params(), (in_features, out_features), pdt), logical_axes=tuple(axes)
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), pdt), logical_axes=(axes[-1],))
+            if use_bias
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"FP4Linear: input last axis {x.shape[-1]} != in_features {self.in_features}")
+            raise ValueError(
+                f"FP4Linear: input last axis {x.shape[-1]} != in_features {self.in_features}"
+            )
         y = fp4_matmul(x.astype(self.dtype), self.kernel[...], self.spec)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)

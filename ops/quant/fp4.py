@@ -72,7 +72,9 @@ def round_to(fmt: str, v: jax.Array) -> jax.Array:
 def pow2_floor(r: jax.Array) -> jax.Array:
     """2^floor(log2 r) for positive float32 r, from the exponent bits (exact; kernel-friendly)."""
     bits = jax.lax.bitcast_convert_type(r.astype(jnp.float32), jnp.int32)
-    expo = jnp.clip((bits >> 23) & 0xFF, 1, 254)  # normal range: subnormal r -> 2^-126, inf -> 2^127
+    expo = jnp.clip(
+        (bits >> 23) & 0xFF, 1, 254
+    )  # normal range: subnormal r -> 2^-126, inf -> 2^127
     return jax.lax.bitcast_convert_type(expo << 23, jnp.float32)
 
 
@@ -128,14 +130,15 @@ def occ_threshold(x: jax.Array, alpha: float, select: str = "auto") -> jax.Array
     a = jnp.abs(x.astype(jnp.float32))
     kth = n_clamped(alpha, x.shape[-1]) + 1
     if select == "top_k":
-        return jax.lax.top_k(a, kth)[0][..., kth - 1:kth]
+        return jax.lax.top_k(a, kth)[0][..., kth - 1 : kth]
     return kth_largest_bisect(a, kth)
 
 
 # ----------------------------------------------------------------------------- row quantizer
 class RowQuant(NamedTuple):
     """Quantized rows: ``q`` grid values (``q_dtype``, E4M3 by default: exact for E2M1 values),
-    ``dequant`` = 1/sf [..., 1] float32, OCC ``residual`` ΔY (x.dtype) and ``threshold`` [..., 1]."""
+    ``dequant`` = 1/sf [..., 1] float32, OCC ``residual`` ΔY (x.dtype), ``threshold`` [..., 1]."""
+
     q: jax.Array
     dequant: jax.Array
     residual: Optional[jax.Array] = None
@@ -158,9 +161,15 @@ def quantize_block(x32: jax.Array, fmt: str, scale: str, threshold: Optional[jax
     return round_to(fmt, x32 * sf), inv, residual
 
 
-def quantize_rows_ref(x: jax.Array, *, fmt: str = "e2m1", scale: str = "exact",
-                      occ_alpha: Optional[float] = None, select: str = "auto",
-                      q_dtype=jnp.float8_e4m3fn) -> RowQuant:
+def quantize_rows_ref(
+    x: jax.Array,
+    *,
+    fmt: str = "e2m1",
+    scale: str = "exact",
+    occ_alpha: Optional[float] = None,
+    select: str = "auto",
+    q_dtype=jnp.float8_e4m3fn,
+) -> RowQuant:
     """jnp reference of the fused quantizer: (OCC clamp ->) row absmax -> scale -> rounding."""
     check_format(fmt, scale)
     x32 = x.astype(jnp.float32)
@@ -197,11 +206,13 @@ def dge_derivative(x_scaled: jax.Array, k: float = 5.0, clamp: float = 3.0) -> j
 
 
 def _rows_view(w: jax.Array, axis: int):
-    """``w`` with the reduction axis last (per-output-channel scales of a [in, out] kernel: axis 0)."""
+    """``w`` with the reduction axis last (per output channel of a [in, out] kernel: axis 0)."""
     return jnp.moveaxis(w, axis, -1)
 
 
-def weight_scale(w: jax.Array, *, axis: int = 0, fmt: str = "e2m1", scale: str = "exact") -> jax.Array:
+def weight_scale(
+    w: jax.Array, *, axis: int = 0, fmt: str = "e2m1", scale: str = "exact"
+) -> jax.Array:
     """sf per vector of ``w`` along ``axis`` (keepdims), as the quantizer computes it."""
     amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axis, keepdims=True)
     return scale_from_amax(amax, FMT_MAX[fmt], scale)[0]
@@ -214,8 +225,9 @@ def weight_quant(w: jax.Array, *, axis: int = 0, fmt: str = "e2m1", scale: str =
     return w_q, w.astype(jnp.float32) * weight_scale(w, axis=axis, fmt=fmt, scale=scale)
 
 
-def dge_quantize(w: jax.Array, *, axis: int = 0, scale: str = "exact", k: float = 5.0,
-                 clamp: float = 3.0) -> jax.Array:
+def dge_quantize(
+    w: jax.Array, *, axis: int = 0, scale: str = "exact", k: float = 5.0, clamp: float = 3.0
+) -> jax.Array:
     """E2M1 weight fake-quantizer with the DGE backward: ``dW = dW_q ⊙ f'(W·sf)`` (sf constant)."""
     return _dge_quantize(w, axis, scale, float(k), float(clamp))
 
@@ -256,8 +268,31 @@ def quantize_e5m2(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     return g8, inv
 
 
-__all__ = ["E2M1_GRID", "E2M1_MIDPOINTS", "FMT_MAX", "E5M2_MAX", "SCALE_KINDS", "SELECTS", "RowQuant",
-           "round_e2m1", "round_e4m3", "round_to", "pow2_floor", "scale_from_amax", "n_clamped",
-           "occ_threshold", "kth_largest_bisect", "default_select", "quantize_block", "quantize_rows_ref",
-           "fake_quant_rows",
-           "dge_derivative", "weight_scale", "weight_quant", "dge_quantize", "ste_quantize", "quantize_e5m2", "check_format"]
+__all__ = [
+    "E2M1_GRID",
+    "E2M1_MIDPOINTS",
+    "FMT_MAX",
+    "E5M2_MAX",
+    "SCALE_KINDS",
+    "SELECTS",
+    "RowQuant",
+    "round_e2m1",
+    "round_e4m3",
+    "round_to",
+    "pow2_floor",
+    "scale_from_amax",
+    "n_clamped",
+    "occ_threshold",
+    "kth_largest_bisect",
+    "default_select",
+    "quantize_block",
+    "quantize_rows_ref",
+    "fake_quant_rows",
+    "dge_derivative",
+    "weight_scale",
+    "weight_quant",
+    "dge_quantize",
+    "ste_quantize",
+    "quantize_e5m2",
+    "check_format",
+]

@@ -36,6 +36,7 @@ GEMM_DTYPES = ("auto", "float8", "bfloat16", "float32")
 @dataclasses.dataclass(frozen=True)
 class FP4GemmSpec:
     """Static description of one FP4 GEMM (hashable: a ``custom_vjp`` non-differentiable arg)."""
+
     w_fmt: str = "e2m1"  # e2m1 (FP4) | e4m3 (FP8, for W8A4)
     a_fmt: str = "e2m1"
     scale: str = "exact"  # exact (paper) | pow2 (released code)
@@ -54,7 +55,9 @@ class FP4GemmSpec:
         if self.w_grad not in W_GRADS:
             raise ValueError(f"FP4GemmSpec.w_grad={self.w_grad!r}; expected one of {W_GRADS}")
         if self.gemm_dtype not in GEMM_DTYPES:
-            raise ValueError(f"FP4GemmSpec.gemm_dtype={self.gemm_dtype!r}; expected one of {GEMM_DTYPES}")
+            raise ValueError(
+                f"FP4GemmSpec.gemm_dtype={self.gemm_dtype!r}; expected one of {GEMM_DTYPES}"
+            )
         resolve_impl(self.impl)
 
 
@@ -73,9 +76,17 @@ def _dot(a, b, dims, cast):
 
 
 def _quantize(x_NK, w_KM, spec):
-    ax = quantize_rows(x_NK, fmt=spec.a_fmt, scale=spec.scale, occ_alpha=spec.occ_alpha,
-                       select=spec.select, impl=spec.impl)
-    aw = quantize_rows(w_KM.T, fmt=spec.w_fmt, scale=spec.scale, impl=spec.impl)  # per output channel
+    ax = quantize_rows(
+        x_NK,
+        fmt=spec.a_fmt,
+        scale=spec.scale,
+        occ_alpha=spec.occ_alpha,
+        select=spec.select,
+        impl=spec.impl,
+    )
+    aw = quantize_rows(
+        w_KM.T, fmt=spec.w_fmt, scale=spec.scale, impl=spec.impl
+    )  # per output channel
     return ax, aw
 
 
@@ -118,7 +129,9 @@ def _bwd(spec, res, g_NM):
     grad_w = _dot(qx, gw, ((0,), (0,)), cast if spec.grad_e5m2 else jnp.float32) * sw
     if spec.w_grad == "dge" and spec.w_fmt == "e2m1":
         sf = fp4.weight_scale(w_KM, axis=0, fmt="e2m1", scale=spec.scale)
-        grad_w = grad_w * fp4.dge_derivative(w_KM.astype(jnp.float32) * sf, spec.dge_k, spec.dge_clamp)
+        grad_w = grad_w * fp4.dge_derivative(
+            w_KM.astype(jnp.float32) * sf, spec.dge_k, spec.dge_clamp
+        )
     if residual is not None:  # d(ΔY·W)/dW in high precision
         grad_w = grad_w + _dot(residual, g_NM.astype(residual.dtype), ((0,), (0,)), None)
     return grad_x.astype(x_like.dtype), grad_w.astype(w_KM.dtype)

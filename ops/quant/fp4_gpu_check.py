@@ -36,7 +36,14 @@ def median_time(fn, *args, iters: int = 5) -> float:
 
 def main() -> int:
     on_cpu = jax.default_backend() == "cpu"
-    print("backend", jax.default_backend(), jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    print(
+        "backend",
+        jax.default_backend(),
+        jax.devices()[0].device_kind,
+        "jax",
+        jax.__version__,
+        flush=True,
+    )
     shapes = [(37, 200), (8, 1000)] if on_cpu else [(37, 200), (4096, 4096), (1000, 11008)]
     failures, res = 0, {"backend": jax.default_backend(), "variant": default_variant()}
     for n, k in shapes:
@@ -45,10 +52,15 @@ def main() -> int:
             for scale in fp4.SCALE_KINDS:
                 got = quantize_rows_pallas(x, scale=scale, occ_alpha=occ)
                 ref = fp4.quantize_rows_ref(x, scale=scale, occ_alpha=occ, select="top_k")
-                ok = all(a is None or bool(jnp.array_equal(a.astype(jnp.float32), b.astype(jnp.float32)))
-                         for a, b in zip(got, ref))
+                ok = all(
+                    a is None or bool(jnp.array_equal(a.astype(jnp.float32), b.astype(jnp.float32)))
+                    for a, b in zip(got, ref)
+                )
                 failures += not ok
-                print(f"quantizer {n}x{k} occ={occ} scale={scale}: {'ok' if ok else 'MISMATCH'}", flush=True)
+                print(
+                    f"quantizer {n}x{k} occ={occ} scale={scale}: {'ok' if ok else 'MISMATCH'}",
+                    flush=True,
+                )
     n, k, m = (64, 256, 128) if on_cpu else (4096, 4096, 4096)
     x = jax.random.normal(jax.random.PRNGKey(1), (n, k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.PRNGKey(2), (k, m)) * 0.02
@@ -56,16 +68,27 @@ def main() -> int:
     outs = {}
     for kind in ("float8", "bfloat16"):
         spec = FP4GemmSpec(gemm_dtype=kind)
-        fn = jax.jit(lambda x, w, g, spec=spec: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(lambda a, b: fp4_dot(a, b, spec), x, w)))
+        fn = jax.jit(
+            lambda x, w, g, spec=spec: (lambda y, vjp: (y, *vjp(g)))(
+                *jax.vjp(lambda a, b: fp4_dot(a, b, spec), x, w)
+            )
+        )
         outs[kind] = fn(x, w, g)
         res[f"fp4_dot_fwd_bwd_{kind}_s"] = median_time(fn, x, w, g, iters=5)
     fwd_ok = bool(jnp.array_equal(outs["float8"][0], outs["bfloat16"][0]))
-    bwd_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
-                        (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30))
-                  for a, b in zip(outs["float8"][1:], outs["bfloat16"][1:]))
+    bwd_err = max(
+        float(
+            jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+            / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30)
+        )
+        for a, b in zip(outs["float8"][1:], outs["bfloat16"][1:])
+    )
     failures += (not fwd_ok) + (bwd_err > 1e-2)
-    print(f"fp4_dot float8 vs bf16 operands: forward {'equal' if fwd_ok else 'DIFFERENT'}, "
-          f"backward max rel err {bwd_err:.2e}", flush=True)
+    print(
+        f"fp4_dot float8 vs bf16 operands: forward {'equal' if fwd_ok else 'DIFFERENT'}, "
+        f"backward max rel err {bwd_err:.2e}",
+        flush=True,
+    )
     xq = jax.jit(lambda x: quantize_rows_pallas(x, occ_alpha=0.99))
     res["quantizer_occ_s"] = median_time(xq, x, iters=5)
     res.update(fwd_equal=fwd_ok, bwd_rel_err=bwd_err, shape=[n, k, m], failures=int(failures))

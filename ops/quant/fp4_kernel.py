@@ -48,7 +48,9 @@ def _block_shape(n_rows: int, k: int, variant: str) -> tuple[int, int]:
         rows = max(1, min(16, 8192 // kp))
         return 1 << (rows.bit_length() - 1), kp
     kp = round_up(k, LANES)
-    rows = max(8, min(256, (4 << 20) // (kp * 16) // 8 * 8))  # in f32 + q + residual, double-buffered
+    rows = max(
+        8, min(256, (4 << 20) // (kp * 16) // 8 * 8)
+    )  # in f32 + q + residual, double-buffered
     return min(rows, round_up(n_rows, 8)), kp
 
 
@@ -66,10 +68,19 @@ def _kernel(x_ref, q_ref, d_ref, *occ_refs, fmt, scale, kth):
         t_ref[...] = jnp.broadcast_to(threshold, t_ref.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "scale", "occ_alpha", "q_dtype", "variant", "interpret"))
-def quantize_rows_pallas(x_NK: jax.Array, *, fmt: str = "e2m1", scale: str = "exact",
-                         occ_alpha: Optional[float] = None, q_dtype=jnp.float8_e4m3fn,
-                         variant: Optional[str] = None, interpret: Optional[bool] = None) -> fp4.RowQuant:
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "scale", "occ_alpha", "q_dtype", "variant", "interpret")
+)
+def quantize_rows_pallas(
+    x_NK: jax.Array,
+    *,
+    fmt: str = "e2m1",
+    scale: str = "exact",
+    occ_alpha: Optional[float] = None,
+    q_dtype=jnp.float8_e4m3fn,
+    variant: Optional[str] = None,
+    interpret: Optional[bool] = None,
+) -> fp4.RowQuant:
     """The fused kernel on 2-D rows ``x [N, K]``; same outputs as ``fp4.quantize_rows_ref``."""
     fp4.check_format(fmt, scale)
     if x_NK.ndim != 2:
@@ -85,10 +96,16 @@ def quantize_rows_pallas(x_NK: jax.Array, *, fmt: str = "e2m1", scale: str = "ex
     kth = None if occ_alpha is None else fp4.n_clamped(occ_alpha, K) + 1
     row_block = pl.BlockSpec((bm, kp), lambda i: (i, 0))
     lane_block = pl.BlockSpec((bm, LANES), lambda i: (i, 0))
-    out_shape = [jax.ShapeDtypeStruct((np_, kp), q_dtype), jax.ShapeDtypeStruct((np_, LANES), jnp.float32)]
+    out_shape = [
+        jax.ShapeDtypeStruct((np_, kp), q_dtype),
+        jax.ShapeDtypeStruct((np_, LANES), jnp.float32),
+    ]
     out_specs = [row_block, lane_block]
     if kth is not None:
-        out_shape += [jax.ShapeDtypeStruct((np_, kp), x_NK.dtype), jax.ShapeDtypeStruct((np_, LANES), jnp.float32)]
+        out_shape += [
+            jax.ShapeDtypeStruct((np_, kp), x_NK.dtype),
+            jax.ShapeDtypeStruct((np_, LANES), jnp.float32),
+        ]
         out_specs += [row_block, lane_block]
     params = {}
     if variant == "tpu":  # also under interpret (True, or pltpu.InterpretParams(): TPU semantics)
@@ -117,19 +134,44 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def quantize_rows(x: jax.Array, *, fmt: str = "e2m1", scale: str = "exact", occ_alpha: Optional[float] = None,
-                  select: str = "auto", impl: str = "auto", q_dtype=jnp.float8_e4m3fn,
-                  variant: Optional[str] = None, interpret: Optional[bool] = None) -> fp4.RowQuant:
+def quantize_rows(
+    x: jax.Array,
+    *,
+    fmt: str = "e2m1",
+    scale: str = "exact",
+    occ_alpha: Optional[float] = None,
+    select: str = "auto",
+    impl: str = "auto",
+    q_dtype=jnp.float8_e4m3fn,
+    variant: Optional[str] = None,
+    interpret: Optional[bool] = None,
+) -> fp4.RowQuant:
     """Quantize the rows of ``x [..., K]`` (per-row absmax scales, optional OCC): the reference or
     the fused Pallas kernel (``impl``); leading axes are kept."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if resolve_impl(impl) == "ref":
-        rq = fp4.quantize_rows_ref(x2, fmt=fmt, scale=scale, occ_alpha=occ_alpha, select=select, q_dtype=q_dtype)
+        rq = fp4.quantize_rows_ref(
+            x2, fmt=fmt, scale=scale, occ_alpha=occ_alpha, select=select, q_dtype=q_dtype
+        )
     else:
-        rq = quantize_rows_pallas(x2, fmt=fmt, scale=scale, occ_alpha=occ_alpha, q_dtype=q_dtype,
-                                  variant=variant, interpret=interpret)
+        rq = quantize_rows_pallas(
+            x2,
+            fmt=fmt,
+            scale=scale,
+            occ_alpha=occ_alpha,
+            q_dtype=q_dtype,
+            variant=variant,
+            interpret=interpret,
+        )
     return fp4.RowQuant(*(None if a is None else a.reshape(*lead, a.shape[-1]) for a in rq))
 
 
-__all__ = ["quantize_rows", "quantize_rows_pallas", "resolve_impl", "default_variant", "IMPLS", "VARIANTS"]
+__all__ = [
+    "quantize_rows",
+    "quantize_rows_pallas",
+    "resolve_impl",
+    "default_variant",
+    "IMPLS",
+    "VARIANTS",
+]

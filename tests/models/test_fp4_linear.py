@@ -25,15 +25,29 @@ from pallasite.training.optim import make_optimizer
 @dataclasses.dataclass(frozen=True)
 class _Cfg(ModelConfig):
     """Test-local stand-in until ModelConfig carries ``linear_config`` (issue 11)."""
+
     linear_config: Any = None
 
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=64)
 
 
-@pytest.mark.parametrize("field,value", [("alpha", 1.0), ("alpha", 0.5), ("alpha", 1.2), ("k", 0.0), ("k", -1.0),
-                                         ("scale", "log2"), ("w_grad", "sr"), ("w_bits", 6), ("a_bits", 16),
-                                         ("impl", "cuda"), ("occ", "yes")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("alpha", 1.0),
+        ("alpha", 0.5),
+        ("alpha", 1.2),
+        ("k", 0.0),
+        ("k", -1.0),
+        ("scale", "log2"),
+        ("w_grad", "sr"),
+        ("w_bits", 6),
+        ("a_bits", 16),
+        ("impl", "cuda"),
+        ("occ", "yes"),
+    ],
+)
 def test_bad_fp4_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"FP4Config.{field}="):
         FP4Config(**{field: value})
@@ -55,13 +69,17 @@ def test_fp4_linear_has_the_float_linear_parameters_and_quantized_forward():
     lin = FP4Linear(32, 48, cfg=cfg, axes=("embed", "mlp"), use_bias=True, rngs=nnx.Rngs(0))
     ref = Linear(32, 48, cfg=cfg, axes=("embed", "mlp"), use_bias=True, rngs=nnx.Rngs(0))
     s4, sf = nnx.state(lin, nnx.Param), nnx.state(ref, nnx.Param)
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), s4) == jax.tree.map(lambda a: (a.shape, a.dtype), sf)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), s4) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), sf
+    )
     np.testing.assert_array_equal(np.asarray(lin.kernel[...]), np.asarray(ref.kernel[...]))
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 32))
     lin.bias[...] = jnp.arange(48.0) / 48
     want = fp4_matmul(x, lin.kernel[...], FP4Config(alpha=0.97).gemm_spec()) + lin.bias[...]
     np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(want), rtol=1e-6)
-    assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...] + lin.bias[...]), atol=1e-3)
+    assert not np.allclose(
+        np.asarray(lin(x)), np.asarray(x @ lin.kernel[...] + lin.bias[...]), atol=1e-3
+    )
     with pytest.raises(ValueError, match="in_features"):
         lin(jnp.ones((2, 31)))
 
@@ -73,8 +91,15 @@ def _batches(n, B=8, T=32, V=64, seed=0):
     for _ in range(n):
         start, stride = rng.integers(0, V, (B, 1)), rng.integers(1, 4, (B, 1))
         tok = ((start + stride * np.arange(T + 1)[None]) % V).astype(np.int32)
-        out.append(dict(tokens=tok[:, :-1], targets=tok[:, 1:], positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-                        segment_ids=np.ones((B, T), np.int32), loss_mask=np.ones((B, T), np.float32)))
+        out.append(
+            dict(
+                tokens=tok[:, :-1],
+                targets=tok[:, 1:],
+                positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+                segment_ids=np.ones((B, T), np.int32),
+                loss_mask=np.ones((B, T), np.float32),
+            )
+        )
     return out
 
 
@@ -126,8 +151,14 @@ def test_benchmark_quick_path_reports_the_gaps_and_fp4_beats_direct(capsys):
 
     r = bench.main(["--quick", "--steps", "150"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("loss_bf16", "loss_fp4", "loss_fp4_direct", "loss_gap_fp4_vs_bf16", "loss_gap_direct_vs_bf16",
-                "quant_overhead_per_gemm"):
+    for key in (
+        "loss_bf16",
+        "loss_fp4",
+        "loss_fp4_direct",
+        "loss_gap_fp4_vs_bf16",
+        "loss_gap_direct_vs_bf16",
+        "quant_overhead_per_gemm",
+    ):
         assert np.isfinite(last[key]), key
         assert last[key] == r[key]
     assert last["loss_fp4"] < last["loss_fp4_direct"]

@@ -23,7 +23,9 @@ def test_e2m1_nearest_value_ties_toward_plus_inf_and_saturation():
     np.testing.assert_array_equal(fp4.round_e2m1(jnp.asarray(GRID)), GRID)
     mids = np.array(fp4.E2M1_MIDPOINTS, np.float32)
     np.testing.assert_array_equal(fp4.round_e2m1(jnp.asarray(mids)), GRID[1:])
-    np.testing.assert_array_equal(fp4.round_e2m1(jnp.array([0.25, -0.25, 7.0, -100.0])), [0.5, 0.0, 6.0, -6.0])
+    np.testing.assert_array_equal(
+        fp4.round_e2m1(jnp.array([0.25, -0.25, 7.0, -100.0])), [0.5, 0.0, 6.0, -6.0]
+    )
     # off the midpoints: the nearest grid value
     v = np.random.default_rng(0).uniform(-7, 7, 5000).astype(np.float32)
     nearest = GRID[np.argmin(np.abs(v[:, None] - GRID[None, :]), axis=1)]
@@ -34,7 +36,9 @@ def test_e2m1_nearest_value_ties_toward_plus_inf_and_saturation():
 
 
 def test_golden_per_tensor_pow2_scale_sf8():
-    x = jnp.array([[0.001, 0.048, 0.0997], [0.1503, 0.2002, 0.2497], [0.2974, 0.30699, 0.4001]], jnp.bfloat16)
+    x = jnp.array(
+        [[0.001, 0.048, 0.0997], [0.1503, 0.2002, 0.2497], [0.2974, 0.30699, 0.4001]], jnp.bfloat16
+    )
     want = np.array([[0, 0.0625, 0.125], [0.125, 0.1875, 0.25], [0.25, 0.25, 0.375]], np.float32)
     rq = fp4.quantize_rows_ref(x.reshape(1, 9), scale="pow2")  # one row = the whole tensor
     assert float(1.0 / rq.dequant[0, 0]) == 8.0
@@ -44,7 +48,10 @@ def test_golden_per_tensor_pow2_scale_sf8():
     assert not np.array_equal(np.asarray(exact), want)
 
 
-CHANNEL_IN = [[[-0.01, 0.48, -9.67], [1.623, -2.222, 24.67]], [[-2.874, 3.699, -34.57], [0.85, -1.343, 18.88]]]
+CHANNEL_IN = [
+    [[-0.01, 0.48, -9.67], [1.623, -2.222, 24.67]],
+    [[-2.874, 3.699, -34.57], [0.85, -1.343, 18.88]],
+]
 CHANNEL_OUT = [[[0.0, 0.5, -8.0], [1.5, -2.0, 24.0]], [[-3.0, 4.0, -32.0], [0.75, -1.5, 16.0]]]
 
 
@@ -52,7 +59,9 @@ def test_golden_channel_wise_and_token_wise():
     x = jnp.array(CHANNEL_IN, jnp.bfloat16).reshape(4, 3)  # channel-wise: one scale per column
     want = np.array(CHANNEL_OUT, np.float32).reshape(4, 3)
     w_q, _ = fp4.weight_quant(x, axis=0, scale="pow2")
-    np.testing.assert_array_equal(np.asarray(w_q, np.float32), want)  # 24.67 -> 24, -34.57 -> -32, 18.88 -> 16
+    np.testing.assert_array_equal(
+        np.asarray(w_q, np.float32), want
+    )  # 24.67 -> 24, -34.57 -> -32, 18.88 -> 16
     tok = fp4.quantize_rows_ref(x.T, scale="pow2").dequantize()  # token-wise on the transpose
     np.testing.assert_array_equal(np.asarray(tok), want.T)
 
@@ -73,7 +82,10 @@ def test_weight_scale_is_per_output_channel_of_an_in_out_kernel():
 
 def test_exact_scale_has_lower_error_than_pow2():
     x = jax.random.normal(jax.random.PRNGKey(1), (256, 512))
-    err = {k: float(jnp.mean((fp4.quantize_rows_ref(x, scale=k).dequantize() - x) ** 2)) for k in fp4.SCALE_KINDS}
+    err = {
+        k: float(jnp.mean((fp4.quantize_rows_ref(x, scale=k).dequantize() - x) ** 2))
+        for k in fp4.SCALE_KINDS
+    }
     assert err["exact"] < 0.8 * err["pow2"], err
     # the scaled absmax lands on 6 exactly (exact) or in (3, 6] (pow2)
     for kind, lo in (("exact", 6.0), ("pow2", 3.0)):
@@ -86,7 +98,7 @@ def test_e4m3_mode_and_e5m2_gradients():
     x = jax.random.normal(jax.random.PRNGKey(2), (16, 64)) * 3
     rq = fp4.quantize_rows_ref(x, fmt="e4m3")
     assert float(jnp.max(jnp.abs(rq.q.astype(jnp.float32)))) <= 448.0
-    assert float(jnp.max(jnp.abs(rq.dequantize() - x) / jnp.abs(x))) < 2 ** -3  # 3 mantissa bits
+    assert float(jnp.max(jnp.abs(rq.dequantize() - x) / jnp.abs(x))) < 2**-3  # 3 mantissa bits
     g = jnp.array([1e-30, 3.3, -7e4, 0.0])
     g8, inv = fp4.quantize_e5m2(g)
     assert g8.dtype == jnp.float8_e5m2 and bool(jnp.all(jnp.isfinite(g8.astype(jnp.float32))))
@@ -95,8 +107,28 @@ def test_e4m3_mode_and_e5m2_gradients():
 
 
 # ----------------------------------------------------------------------------- DGE
-DGE_GOLDEN = [0.2002, 0.4375, 0.6055, 0.2168, 1.8359, 0.2695, 0.3027, 0.2695, 0.2402, 0.5781,
-              0.5781, 0.2402, 0.2695, 0.3027, 0.2695, 1.8359, 0.2168, 0.6055, 0.4375, 0.2002]
+DGE_GOLDEN = [
+    0.2002,
+    0.4375,
+    0.6055,
+    0.2168,
+    1.8359,
+    0.2695,
+    0.3027,
+    0.2695,
+    0.2402,
+    0.5781,
+    0.5781,
+    0.2402,
+    0.2695,
+    0.3027,
+    0.2695,
+    1.8359,
+    0.2168,
+    0.6055,
+    0.4375,
+    0.2002,
+]
 
 
 def test_dge_derivative_golden_values():
@@ -115,7 +147,11 @@ def test_dge_integral_over_each_interval_is_delta_minus_clamp_loss(k):
     for left, delta in zip(fp4.DGE_LEFT, fp4.DGE_DELTA):
         n = 200_000
         xs = left + (np.arange(n) + 0.5) * (delta / n)  # midpoint rule
-        integral = float(jnp.sum(fp4.dge_derivative(jnp.asarray(xs, jnp.float32), k=k, clamp=c))) * delta / n
+        integral = (
+            float(jnp.sum(fp4.dge_derivative(jnp.asarray(xs, jnp.float32), k=k, clamp=c)))
+            * delta
+            / n
+        )
         np.testing.assert_allclose(integral, delta * keep, rtol=2e-3)
         assert integral < 0.99 * delta  # the clamp loss is real
 
@@ -128,7 +164,9 @@ def test_dge_custom_vjp_is_upstream_times_fprime_not_ste():
         (dw,) = vjp(g)
         ref_q, w_scaled = fp4.weight_quant(w, axis=0, scale=scale)
         np.testing.assert_array_equal(np.asarray(w_q), np.asarray(ref_q))  # forward: hard quantizer
-        np.testing.assert_allclose(np.asarray(dw), np.asarray(g * fp4.dge_derivative(w_scaled)), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(dw), np.asarray(g * fp4.dge_derivative(w_scaled)), rtol=1e-6
+        )
         (dw_ste,) = jax.vjp(lambda w: fp4.ste_quantize(w.T, scale=scale).T, w)[1](g)
         np.testing.assert_allclose(np.asarray(dw_ste), np.asarray(g), rtol=1e-6)  # STE: identity
         assert float(jnp.mean(jnp.abs(dw - dw_ste))) > 0.1 * float(jnp.mean(jnp.abs(g)))
@@ -141,7 +179,9 @@ def test_occ_clamps_two_sided_fraction_per_token(alpha, frac):
     rq = fp4.quantize_rows_ref(y, occ_alpha=alpha)
     per_token = np.asarray(jnp.mean(rq.residual != 0, axis=-1))
     np.testing.assert_allclose(per_token, frac, atol=1e-9)  # round(2(1-α)·1000) entries per row
-    np.testing.assert_array_equal(np.asarray(jnp.abs(y) > rq.threshold), np.asarray(rq.residual != 0))
+    np.testing.assert_array_equal(
+        np.asarray(jnp.abs(y) > rq.threshold), np.asarray(rq.residual != 0)
+    )
 
 
 def test_occ_threshold_top_k_equals_bisection():
@@ -162,7 +202,9 @@ def test_occ_compensation_identity():
     q_yc, dy = rq.dequantize(), rq.residual
     hi = jax.lax.Precision.HIGHEST
     lhs = jnp.dot(q_yc, w, precision=hi) + jnp.dot(dy, w, precision=hi)
-    np.testing.assert_allclose(np.asarray(lhs), np.asarray(jnp.dot(q_yc + dy, w, precision=hi)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(lhs), np.asarray(jnp.dot(q_yc + dy, w, precision=hi)), rtol=1e-5, atol=1e-5
+    )
     # the GEMM: Q(Y_c)·Q(W) + ΔY·W
     w_q, _ = fp4.weight_quant(w, axis=0)
     want = jnp.dot(q_yc, w_q, precision=hi) + jnp.dot(dy, w, precision=hi)
@@ -173,21 +215,37 @@ def test_occ_compensation_identity():
 def _table1(y, comp_sign=1.0):
     """(cos sim, MSE, SNR dB) per setting of the paper's Table 1, on rows ``y``."""
     out = {}
-    for name, alpha, comp in [("no_clamp", None, False), ("clamp_999", 0.999, False), ("comp_999", 0.999, True),
-                              ("comp_99", 0.99, True), ("comp_97", 0.97, True)]:
+    for name, alpha, comp in [
+        ("no_clamp", None, False),
+        ("clamp_999", 0.999, False),
+        ("comp_999", 0.999, True),
+        ("comp_99", 0.99, True),
+        ("comp_97", 0.97, True),
+    ]:
         rq = fp4.quantize_rows_ref(y, occ_alpha=alpha)
         yq = rq.dequantize() + (comp_sign * rq.residual if comp else 0.0)
         err = yq - y
-        cos = float(jnp.mean(jnp.sum(y * yq, -1) / (jnp.linalg.norm(y, axis=-1) * jnp.linalg.norm(yq, axis=-1))))
-        out[name] = (cos, float(jnp.mean(err ** 2)), float(10 * jnp.log10(jnp.sum(y ** 2) / jnp.sum(err ** 2))))
+        cos = float(
+            jnp.mean(
+                jnp.sum(y * yq, -1) / (jnp.linalg.norm(y, axis=-1) * jnp.linalg.norm(yq, axis=-1))
+            )
+        )
+        out[name] = (
+            cos,
+            float(jnp.mean(err**2)),
+            float(10 * jnp.log10(jnp.sum(y**2) / jnp.sum(err**2))),
+        )
     return out
 
 
 def _ordered(stats):
     order = ["no_clamp", "clamp_999", "comp_999", "comp_99", "comp_97"]
     cos, mse, snr = ([stats[k][i] for k in order] for i in range(3))
-    return (all(a < b for a, b in zip(cos, cos[1:])) and all(a > b for a, b in zip(mse, mse[1:]))
-            and all(a < b for a, b in zip(snr, snr[1:])))
+    return (
+        all(a < b for a, b in zip(cos, cos[1:]))
+        and all(a > b for a, b in zip(mse, mse[1:]))
+        and all(a < b for a, b in zip(snr, snr[1:]))
+    )
 
 
 def test_occ_table1_ordering_on_heavy_tailed_activations():
@@ -199,27 +257,38 @@ def test_occ_table1_ordering_on_heavy_tailed_activations():
 
 # ----------------------------------------------------------------------------- Pallas kernel
 @pytest.mark.parametrize("variant", ["gpu", "tpu"])
-@pytest.mark.parametrize("shape,dtype", [((37, 200), jnp.bfloat16), ((5, 1000), jnp.float32), ((16, 64), jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "shape,dtype", [((37, 200), jnp.bfloat16), ((5, 1000), jnp.float32), ((16, 64), jnp.bfloat16)]
+)
 def test_pallas_quantizer_equals_reference_bit_for_bit(variant, shape, dtype):
     x = (jax.random.t(jax.random.PRNGKey(10), 3.0, shape) * 0.05).astype(dtype)
     x = x.at[0].set(0)  # an all-zero row (scale 1)
     for occ in (None, 0.99):
         for scale in fp4.SCALE_KINDS:
             for fmt in ("e2m1", "e4m3"):
-                got = quantize_rows_pallas(x, fmt=fmt, scale=scale, occ_alpha=occ, variant=variant, interpret=True)
+                got = quantize_rows_pallas(
+                    x, fmt=fmt, scale=scale, occ_alpha=occ, variant=variant, interpret=True
+                )
                 ref = fp4.quantize_rows_ref(x, fmt=fmt, scale=scale, occ_alpha=occ, select="top_k")
                 for name, a, b in zip(fp4.RowQuant._fields, got, ref):
                     assert (a is None) == (b is None), name
                     if a is not None:
                         assert a.dtype == b.dtype and a.shape == b.shape, name
-                        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                                      np.asarray(b.astype(jnp.float32)), err_msg=name)
+                        np.testing.assert_array_equal(
+                            np.asarray(a.astype(jnp.float32)),
+                            np.asarray(b.astype(jnp.float32)),
+                            err_msg=name,
+                        )
 
 
 def test_quantize_rows_keeps_leading_axes_and_rejects_bad_options():
     x = jax.random.normal(jax.random.PRNGKey(11), (2, 3, 40))
     rq = quantize_rows(x, occ_alpha=0.99, impl="pallas", interpret=True)
-    assert rq.q.shape == (2, 3, 40) and rq.dequant.shape == (2, 3, 1) and rq.residual.shape == (2, 3, 40)
+    assert (
+        rq.q.shape == (2, 3, 40)
+        and rq.dequant.shape == (2, 3, 1)
+        and rq.residual.shape == (2, 3, 40)
+    )
     with pytest.raises(ValueError, match="scale"):
         quantize_rows(x, scale="log")
     with pytest.raises(ValueError, match="impl"):
@@ -229,19 +298,27 @@ def test_quantize_rows_keeps_leading_axes_and_rejects_bad_options():
 # ----------------------------------------------------------------------------- FP4 GEMM
 def _data(n=48, k=96, m=40, seed=12):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return (jax.random.t(k1, 3.0, (n, k)), jax.random.normal(k2, (k, m)) * 0.05, jax.random.normal(k3, (n, m)))
+    return (
+        jax.random.t(k1, 3.0, (n, k)),
+        jax.random.normal(k2, (k, m)) * 0.05,
+        jax.random.normal(k3, (n, m)),
+    )
 
 
 def _composed(spec):
     """The same function from the single-tensor quantizers and autodiff (no E5M2)."""
+
     def f(x, w):
         rq = fp4.quantize_rows_ref(x, occ_alpha=spec.occ_alpha)
         x_q = x + jax.lax.stop_gradient(rq.dequantize() - x)  # STE through clamp and quantizer
         w_q = fp4.dge_quantize(w, axis=0) if spec.w_grad == "dge" else fp4.ste_quantize(w.T).T
         y = jnp.dot(x_q, w_q, precision=jax.lax.Precision.HIGHEST)
         if rq.residual is not None:
-            y = y + jnp.dot(jax.lax.stop_gradient(rq.residual), w, precision=jax.lax.Precision.HIGHEST)
+            y = y + jnp.dot(
+                jax.lax.stop_gradient(rq.residual), w, precision=jax.lax.Precision.HIGHEST
+            )
         return y
+
     return f
 
 
@@ -263,7 +340,9 @@ def test_fp4_dot_e5m2_backward_and_dge_differs_from_ste():
     def grads(**kw):
         return jax.vjp(lambda a, b: fp4_dot(a, b, FP4GemmSpec(**kw)), x, w)[1](g)
 
-    cos = lambda a, b: float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))  # noqa: E731
+    def cos(a, b):
+        return float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+
     gx8, gw8 = grads()
     gx, gw = grads(grad_e5m2=False)
     assert not np.array_equal(np.asarray(gx8), np.asarray(gx))  # the E5M2 cast is really applied
@@ -271,8 +350,12 @@ def test_fp4_dot_e5m2_backward_and_dge_differs_from_ste():
     # E5M2 backward by hand: dx = E5M2(g·s_w) · q_w
     aw = fp4.quantize_rows_ref(w.T)
     g8, s = fp4.quantize_e5m2(g * aw.dequant[:, 0][None, :])
-    np.testing.assert_allclose(np.asarray(gx8), np.asarray(jnp.dot(g8.astype(jnp.float32), aw.q.astype(jnp.float32)) * s),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(gx8),
+        np.asarray(jnp.dot(g8.astype(jnp.float32), aw.q.astype(jnp.float32)) * s),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     _, gw_ste = grads(w_grad="ste")
     assert cos(gw8, gw_ste) < 0.99  # DGE reshapes the weight gradient
     # bf16 inputs keep their dtype through the custom_vjp
@@ -292,7 +375,11 @@ def test_fp4_gmm_equals_fp4_dot_per_expert_group():
 
     k = jax.random.split(jax.random.PRNGKey(14), 3)
     gs = jnp.array([5, 0, 9, 6], jnp.int32)  # an empty group, and 4 rows past the groups
-    x, w, g = jax.random.t(k[0], 3.0, (24, 32)), jax.random.normal(k[1], (4, 32, 16)) * 0.05, jax.random.normal(k[2], (24, 16))
+    x, w, g = (
+        jax.random.t(k[0], 3.0, (24, 32)),
+        jax.random.normal(k[1], (4, 32, 16)) * 0.05,
+        jax.random.normal(k[2], (24, 16)),
+    )
     ends = np.cumsum(np.asarray(gs))
     spec = FP4GemmSpec(grad_e5m2=False)  # OCC + DGE, float32 gradients: exact comparison
     y, dx, dw = _value_and_grads(lambda a, b: fp4_gmm(a, b, gs, spec, "tiles"))(x, w, g)
