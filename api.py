@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallasite.inference.config import GenerationConfig
+from pallasite.inference.engine import generate_ids
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import abstract_model, forward
 
@@ -30,12 +32,15 @@ ORBAX_MARKER = "pallasite_model.json"
 
 @dataclasses.dataclass
 class Model:
-    """A model ready for inference: config, split NNX state and (optionally) a tokenizer."""
+    """A model ready for inference: config, split NNX state, (optionally) a tokenizer, and the folder
+    it was loaded from (``path``: where artifacts saved with the model — a CateKV head mask, KV4
+    transforms — are looked up)."""
 
     config: ModelConfig
     state: Any
     tokenizer: Any = None
     graphdef: Any = None
+    path: Optional[str] = None
 
     def __post_init__(self):
         if self.graphdef is None:
@@ -116,7 +121,7 @@ def _load_orbax(path: str, dtype=None) -> Model:
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.abspath(os.path.join(path, "params")), target)
     nnx.replace_by_pure_dict(abstract_state, restored)
-    return Model(cfg, abstract_state, _load_tokenizer_if_present(path), graphdef)
+    return Model(cfg, abstract_state, _load_tokenizer_if_present(path), graphdef, path=os.path.abspath(path))
 
 
 def _is_training_workdir(path: str) -> bool:
@@ -157,7 +162,7 @@ def load_workdir(workdir: str, dtype=None, step: Optional[int] = None) -> Model:
         pure = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
     graphdef, params = nnx.split(abstract_model(cfg))
     nnx.replace_by_pure_dict(params, pure)
-    return Model(cfg, params, tokenizer, graphdef)
+    return Model(cfg, params, tokenizer, graphdef, path=os.path.abspath(workdir))
 
 
 def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
@@ -171,7 +176,7 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
             from pallasite.models.gguf import import_gguf
 
             cfg, state, tokenizer = import_gguf(path, dtype=dtype)
-            return Model(cfg, state, tokenizer)
+            return Model(cfg, state, tokenizer, path=os.path.dirname(os.path.abspath(path)))
         raise ValueError(f"pallasite.load: {path!r} is a file but not a .gguf; expected a GGUF file or a folder")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
         return _load_orbax(path, dtype)
@@ -181,7 +186,7 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
         from pallasite.models.hf import import_hf
 
         cfg, state = import_hf(path, dtype=dtype)
-        return Model(cfg, state, _load_tokenizer_if_present(path))
+        return Model(cfg, state, _load_tokenizer_if_present(path), path=os.path.abspath(path))
     for sub in ("model", "final_model", "export", "hf"):
         if os.path.isdir(os.path.join(path, sub)):
             return load(os.path.join(path, sub), dtype=dtype)
@@ -191,34 +196,23 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
     )
 
 
-def generate(
-    model: Model,
-    prompts: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
-    max_new_tokens: int = 32,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    seed: int = 0,
-    stop_tokens: Optional[Sequence[int]] = None,
-    stream=None,
-) -> list:
+def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
+             config: Optional[GenerationConfig] = None, *, stream=None, **options) -> list:
     """Complete each prompt. Prompts are strings (needs a tokenizer) or lists of token ids.
 
-    Returns completions as strings when the model has a tokenizer, else lists of token ids.
-    Generation stops at ``stop_tokens`` (default: the model's eos ids) or ``max_new_tokens``."""
-    from pallasite.inference.engine import generate_ids
-
+    Options are a ``GenerationConfig`` and/or its fields as keywords (``max_new_tokens``,
+    ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``kv_cache``,
+    ``kv_cache_config``, ``strategy``, ...). Returns completions as strings when the model has a
+    tokenizer, else lists of token ids. Generation stops at ``stop_tokens`` (default: the model's
+    eos ids) or ``max_new_tokens``; ``stream`` is called once per step with each row's new tokens."""
+    gen = GenerationConfig.make(config, **options)
     if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]
     prompt_ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-    if stop_tokens is None:
-        stop_tokens = list(model.config.eos_token_id or ())
-        if not stop_tokens and model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            stop_tokens = [model.tokenizer.eos_token_id]
-    out_ids = generate_ids(
-        model.graphdef, model.state, model.config, prompt_ids, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=tuple(stop_tokens), stream=stream,
-    )
+    if gen.stop_tokens is None and not model.config.eos_token_id and model.tokenizer is not None \
+            and model.tokenizer.eos_token_id is not None:
+        gen = gen.replace(stop_tokens=(int(model.tokenizer.eos_token_id),))
+    out_ids = generate_ids(model.graphdef, model.state, model.config, prompt_ids, gen, stream=stream, model=model)
     if model.tokenizer is None:
         return out_ids
     return [model.decode(ids) for ids in out_ids]
@@ -264,4 +258,4 @@ def serve_lut(model: Model, where: str = "host", *, path: Optional[str] = None, 
             raise ValueError("serve_lut: where='device' keeps the float LUT on the device; quant must be 'none'")
         served = MD.serve_on_device(lut_model, store.data[0])
     graphdef, state = nnx.split(served)
-    return Model(served.cfg, state, model.tokenizer, graphdef)
+    return Model(served.cfg, state, model.tokenizer, graphdef, path=model.path)

@@ -2,6 +2,7 @@
 
     pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.train.steps=200 ...]
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
+                       [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
@@ -40,8 +41,43 @@ def _split_config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
+def _split_kind_options(argv: list[str], kinds) -> tuple[list[str], dict]:
+    """Separate ``--KIND.FIELD=v`` (or ``--KIND.FIELD v``) options of registered kinds: {kind: {field: v}}."""
+    rest, options = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        head = arg[2:].split(".", 1)[0] if arg.startswith("--") and "." in arg else None
+        if head in kinds:
+            key = arg[2 + len(head) + 1:]
+            if "=" in key:
+                key, value = key.split("=", 1)
+            elif i + 1 < len(argv):
+                value = argv[i + 1]
+                i += 1
+            else:
+                raise SystemExit(f"pallasite: option {arg} needs a value (--{head}.field=value)")
+            options.setdefault(head, {})[key.replace("-", "_")] = _literal(value)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, options
+
+
+def _literal(text: str):
+    """A command-line value as a Python literal where it is one (0.4, 128, None, true), else the string."""
+    import ast
+
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def _cmd_train(args, overrides):
-    from pallasite.configs import load_config
+    from pallasite.training.config import load_config
     from pallasite.training.loop import train
 
     config = load_config(args.config, overrides=overrides)
@@ -86,8 +122,14 @@ def _cmd_generate(args, overrides):
         print(text[len(shown[0]):], end="", flush=True)
         shown[0] = text
 
+    options = args.kind_options
+    unused = sorted(set(options) - {args.kv_cache})
+    if unused:
+        raise SystemExit(f"pallasite generate: options for kv cache kind(s) {unused} given, but --kv-cache is "
+                         f"{args.kv_cache!r}")
+    cache = {} if args.kv_cache is None else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
     pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream, **cache)
     print()
 
 
@@ -142,8 +184,11 @@ def _cmd_lut(args, overrides):
 
 
 def main(argv=None):
+    from pallasite.registry import KV_CACHE
+
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, overrides = _split_config_overrides(argv)
+    argv, kind_options = _split_kind_options(argv, KV_CACHE.names())
     parser = argparse.ArgumentParser(prog="pallasite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +229,8 @@ def main(argv=None):
             p.add_argument("--top-k", type=int, default=None)
             p.add_argument("--top-p", type=float, default=None)
             p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--kv-cache", default=None, metavar="|".join(KV_CACHE.names()),
+                           help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE")
         if name == "eval":
             p.add_argument("--data", default="stdlib", help="stdlib | FILE.txt | FILE.jsonl")
             p.add_argument("--field", default="text", help="jsonl field holding the text")
@@ -192,8 +239,13 @@ def main(argv=None):
         p.set_defaults(fn=fn)
 
     args = parser.parse_args(argv)
+    args.kind_options = kind_options
     if overrides and args.command != "train":
         parser.error(f"--config.* overrides only apply to 'train', got {overrides}")
+    if kind_options and args.command != "generate":
+        parser.error(f"--KIND.FIELD options only apply to 'generate', got {sorted(kind_options)}")
+    if getattr(args, "kv_cache", None) is not None and args.kv_cache not in KV_CACHE:
+        parser.error(f"--kv-cache {args.kv_cache!r}; known kinds: {', '.join(KV_CACHE.names())}")
     args.fn(args, overrides)
 
 

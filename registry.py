@@ -5,8 +5,8 @@
     FFN.get("my_ffn")                                    # MyFFN; an unknown kind names the known ones
 
 One ``Registry`` per seam: ``FFN`` (``ModelConfig.ffn``), ``LINEAR`` (``.linear``), ``KV_CACHE``
-(``.kv_cache`` / generation), ``ATTENTION`` (``.attention_impl``), ``DECODE_STRATEGY`` and ``LOSS``
-(``config.train.loss``). A kind may carry a sub-config class: the seam's ``*_config`` field must be
+(``.kv_cache`` / generation), ``ATTENTION`` (``.attention_impl``), ``DECODE_STRATEGY``, ``LOSS``
+(``config.train.loss``), and the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``. A kind may carry a sub-config class: the seam's ``*_config`` field must be
 an instance of it, and a mapping is validated into one (unknown fields are named).
 
 The built-in kinds are found lazily through ``BUILTIN_KINDS`` (kind -> the module that registers
@@ -29,7 +29,10 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
                  "catekv": "pallasite.inference.cache.catekv"},
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
     "decode_strategy": {"sample": "pallasite.inference.engine"},
-    "loss": {"lm": "pallasite.training.losses"},
+    "loss": {"lm": "pallasite.training.losses.lm"},
+    "hf_model_type": {**{t: "pallasite.models.hf_config" for t in ("llama", "mistral", "qwen2", "qwen3")},
+                      **{t: "pallasite.models.hf_moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}},
+    "hf_ffn": {"dense": "pallasite.models.hf", "moe": "pallasite.models.hf_moe"},
 }
 
 
@@ -123,6 +126,18 @@ class Registry:
                         f"{self.seam} kind {kind!r}; got {type(value).__name__}")
 
 
+    def merge_config(self, kind: str, base: Any, overrides: Any, *, field: Optional[str] = None):
+        """``base`` (a sub-config of ``kind`` or None) updated with ``overrides`` (a mapping, an
+        instance — which replaces ``base`` — or None)."""
+        if overrides is None or not isinstance(overrides, Mapping) or base is None:
+            return self.make_config(kind, base if overrides is None else overrides, field=field)
+        e = self.entry(kind, field=field)
+        aliases = dict(e.aliases)
+        merged = {**config_to_dict(self.make_config(kind, base, field=field)),
+                  **{aliases.get(k, k): v for k, v in overrides.items()}}
+        return self.make_config(kind, merged, field=field)
+
+
 def config_from_mapping(cls: type, value: Mapping, *, where: str, aliases: Optional[Mapping[str, str]] = None):
     """``cls(**value)`` with unknown keys named; lists become tuples (configs stay hashable)."""
     aliases = dict(aliases or {})
@@ -152,8 +167,11 @@ KV_CACHE = Registry("kv_cache", BUILTIN_KINDS["kv_cache"])
 ATTENTION = Registry("attention", BUILTIN_KINDS["attention"])
 DECODE_STRATEGY = Registry("decode_strategy", BUILTIN_KINDS["decode_strategy"])
 LOSS = Registry("loss", BUILTIN_KINDS["loss"])
+HF_MODEL_TYPE = Registry("hf_model_type", BUILTIN_KINDS["hf_model_type"])  # config.json model_type -> ModelTypeSpec
+HF_FFN = Registry("hf_ffn", BUILTIN_KINDS["hf_ffn"])  # ffn kind -> (to_hf_fn, from_hf_fn) tensor mapping
 
-REGISTRIES: dict[str, Registry] = {r.seam: r for r in (FFN, LINEAR, KV_CACHE, ATTENTION, DECODE_STRATEGY, LOSS)}
+REGISTRIES: dict[str, Registry] = {r.seam: r for r in (FFN, LINEAR, KV_CACHE, ATTENTION, DECODE_STRATEGY, LOSS,
+                                                        HF_MODEL_TYPE, HF_FFN)}
 
 
 def lookup(seam: str) -> Registry:
@@ -163,5 +181,5 @@ def lookup(seam: str) -> Registry:
 
 
 __all__ = ["Registry", "Entry", "UnknownKindError", "BUILTIN_KINDS", "FFN", "LINEAR", "KV_CACHE", "ATTENTION",
-           "DECODE_STRATEGY", "LOSS", "REGISTRIES", "lookup", "config_from_mapping", "config_to_dict"]
+           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "REGISTRIES", "lookup", "config_from_mapping", "config_to_dict"]
 

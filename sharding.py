@@ -4,7 +4,7 @@ Model code names *logical* axes on every parameter (``logical_axes`` metadata: b
 embed, q_heads, kv_heads, head_dim, mlp, vocab, expert, layers, norm). A rule table — a tuple
 of ``(logical_axis, mesh_axes)`` pairs, overridable from the config — maps them onto the mesh
 axes ``data, fsdp, tensor, expert``. Any mesh axis may have size 1. A dimension whose size is
-not divisible by its mesh axes is replicated instead (and reported by ``explain``), so tiny
+not divisible by its mesh axes is replicated instead, so tiny
 test models run on any mesh.
 
 ``shard_map`` is reserved for code where communication is the algorithm (MoE dispatch);
@@ -159,13 +159,3 @@ def batch_spec(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2, batch_size: Optio
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2, batch_size: Optional[int] = None) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(mesh, rules, ndim, batch_size))
-
-
-def explain(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> list[str]:
-    """Human-readable lines 'path shape -> spec' (for logs and debugging)."""
-    lines = []
-    for path, var in nnx.to_flat_state(state):
-        value = _value(var)
-        spec = logical_to_spec(_variable_axes(var), value.shape, mesh, rules)
-        lines.append(f"{'/'.join(map(str, path))} {tuple(value.shape)} {_variable_axes(var)} -> {spec}")
-    return lines

@@ -4,8 +4,8 @@
     cfg, state = pallasite.models.hf.import_hf(path)
     np.testing.assert_allclose(forward(graphdef, state, ids)[0], pt_logits(torch_model, ids), atol=1e-4)
 
-Families live in ``TINY_FAMILIES`` (name -> builder returning a ``transformers`` config);
-other modules add theirs with ``register_tiny_family`` (the MoE helpers add Mixtral & co.).
+Families live in ``TINY_FAMILIES`` (name -> builder returning a ``transformers`` config), MoE
+families (Mixtral & co.) included; tests add theirs with ``register_tiny_family``.
 Every model is float32, eager attention, and — unlike transformers' own init — has its
 norm weights and biases randomised and a larger weight scale (``initializer_range=0.1``), so a
 mapping mistake (swapped norms, a dropped bias, a wrong RoPE layout) moves the logits far
@@ -78,6 +78,29 @@ def _qwen3(**kw):
         "rope_type": "default", "rope_theta": 1000000.0}, **kw})
 
 
+def _tiny_moe(kind: str):
+    """Tiny MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with 8 experts."""
+    def build(**kw):
+        import transformers
+
+        base = {**TINY_BASE, "tie_word_embeddings": False}
+        if kind == "mixtral":
+            return transformers.MixtralConfig(**{**base, "intermediate_size": 48, "num_local_experts": 8,
+                                                 "num_experts_per_tok": 2, "router_jitter_noise": 0.0, **kw})
+        if kind == "qwen2_moe":
+            return transformers.Qwen2MoeConfig(**{**base, "num_experts": 8, "num_experts_per_tok": 4,
+                                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                                  "norm_topk_prob": False, **kw})
+        if kind == "qwen3_moe":
+            return transformers.Qwen3MoeConfig(**{**base, "num_experts": 8, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 32, "norm_topk_prob": True, "head_dim": 32,
+                                                  **kw})
+        return transformers.OlmoeConfig(**{**base, "intermediate_size": 32, "num_experts": 8,
+                                           "num_experts_per_tok": 3, "norm_topk_prob": False, **kw})
+
+    return build
+
+
 TINY_FAMILIES: dict[str, Callable[..., Any]] = {
     "llama": _llama,
     "llama_tied": _llama_tied,
@@ -85,6 +108,7 @@ TINY_FAMILIES: dict[str, Callable[..., Any]] = {
     "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    **{kind: _tiny_moe(kind) for kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
 }
 
 

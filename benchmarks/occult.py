@@ -50,7 +50,7 @@ N_DEV = 8
 
 def base_config() -> ModelConfig:
     return ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, ffn="moe",
-                       moe=MoEConfig(num_experts=32, top_k=4, d_expert=32))
+                       ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32))
 
 
 def _cache_path(steps: int) -> str:
@@ -137,7 +137,7 @@ def main(argv=None):
         raise SystemExit(f"needs {N_DEV} devices, found {len(jax.devices())} (set XLA_FLAGS before importing jax)")
     mesh = sharding.make_mesh({"expert": N_DEV})
     cfg = base_config()
-    m = cfg.moe
+    m = cfg.ffn_config
     train_data = ft.stdlib_bytes("train", 3_000_000)
     eval_data = ft.stdlib_bytes("eval", 400_000)
 
@@ -192,7 +192,7 @@ def main(argv=None):
     pruned_states = {}
     for nd_keep in ((2,) if quick else (2, 1)):
         for kind in ("score", "similarity"):
-            cfg_p = cfg.replace(moe=MoEConfig(num_experts=32, top_k=4, d_expert=32, occult_devices=N_DEV,
+            cfg_p = cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, occult_devices=N_DEV,
                                               occult_max_devices=nd_keep, prune=kind))
             _, st_p = variant_state(cfg_p, placed_state, placed_sims if kind == "similarity" else None)
             gd_no_ft = nnx.split(nnx.eval_shape(lambda: Transformer(cfg_p, rngs=nnx.Rngs(0))))[0]
@@ -212,11 +212,11 @@ def main(argv=None):
     timing, max_abs_diff, pruned_bytes = {}, 0.0, None
     cfg_p2, st_p2 = pruned_states[(2, "similarity")]
     variants = {
-        "standard_ep": (cfg.replace(moe=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")), state),
-        "occult": (cfg.replace(moe=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")), state),
-        "occult_placement": (cfg.replace(moe=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")),
+        "standard_ep": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")), state),
+        "occult": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")), state),
+        "occult_placement": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")),
                              placed_state),
-        "occult_placement_prune2": (cfg_p2.replace(moe=MoEConfig(
+        "occult_placement_prune2": (cfg_p2.replace(ffn_config=MoEConfig(
             num_experts=32, top_k=4, d_expert=32, dispatch="occult", occult_devices=N_DEV, occult_max_devices=2,
             prune="similarity")), st_p2),
     }

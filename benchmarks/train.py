@@ -30,12 +30,12 @@ def pallasite_runner(model_dict: dict, B: int, T: int, loss_chunk: int, seed: in
     import jax
 
     from pallasite import sharding as shd
-    from pallasite.configs import train_defaults
-    from pallasite.configs.models import to_model_config
+    from pallasite.models.config import model_config_from
+    from pallasite.training.config import train_defaults
     from pallasite.training import step as st
     from pallasite.training.optim import make_optimizer
 
-    cfg = to_model_config(model_dict)
+    cfg = model_config_from(model_dict)
     oc = train_defaults().optim
     oc.warmup_steps = 0
     opt, sched = make_optimizer(oc, 10_000)

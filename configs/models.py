@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pallasite.models.config import ModelConfig
+from pallasite.models.config import model_config_from
 
 
 def llama3_8b() -> dict:
@@ -74,20 +74,9 @@ def get(name: str, **overrides: Any) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     d = dict(PRESETS[name](), **overrides)
-    full = to_model_config(d).to_dict()  # validates; every ModelConfig field, so any can be overridden
+    full = model_config_from(d).to_dict()  # validates; every ModelConfig field, so any can be overridden
     full["vocab_size"] = d["vocab_size"]  # keep 0 = "from the tokenizer"
     return full
 
 
-def to_model_config(d, *, vocab_size: int | None = None) -> ModelConfig:
-    """ModelConfig from a dict or ConfigDict; ``vocab_size=0`` in ``d`` is replaced by ``vocab_size``
-    (or by a placeholder for validation when none is given)."""
-    if hasattr(d, "to_dict"):
-        d = d.to_dict()
-    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(d).items()}
-    if not d.get("vocab_size"):
-        d["vocab_size"] = vocab_size if vocab_size else 1
-    return ModelConfig.from_dict(d)
-
-
-__all__ = ["PRESETS", "get", "to_model_config"] + list(PRESETS)
+__all__ = ["PRESETS", "get"] + list(PRESETS)

@@ -10,7 +10,8 @@ sampled. Sized for ~3 minutes on a 2-core CPU::
 ``arg``: ``cpu``/``runlocal`` shrink further (smoke test: a few steps, tiny data).
 """
 
-from pallasite.configs import models, parse_arg, train_defaults
+from pallasite.configs import models
+from pallasite.training.config import parse_arg, train_defaults
 
 
 def get_config(arg=None):

@@ -5,7 +5,8 @@ Used by the tests and as a smoke run::
     pallasite train --config configs/tiny.py --workdir /tmp/tiny
 """
 
-from pallasite.configs import models, parse_arg, train_defaults
+from pallasite.configs import models
+from pallasite.training.config import parse_arg, train_defaults
 
 
 def get_config(arg=None):

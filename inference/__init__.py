@@ -13,6 +13,7 @@ _EXPORTS = {
     "decode_loop": "pallasite.inference.engine",
     "DecodeState": "pallasite.inference.engine",
     "SamplingStrategy": "pallasite.inference.engine",
+    "GenerationConfig": "pallasite.inference.config",
     "SamplingParams": "pallasite.inference.sampling",
     "SamplingSpec": "pallasite.inference.sampling",
 }

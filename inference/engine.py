@@ -1,54 +1,18 @@
-"""Generation engine: jitted prefill + decode over a preallocated KV cache, behind one
-decode-strategy seam.
+"""Generation engine: jitted prefill + ONE compiled ``while_loop`` decode over a preallocated KV
+cache, behind the decode-strategy seam.
 
-    out = generate_ids(graphdef, state, cfg, [[1, 5, 9], [1, 7]], max_new_tokens=32,
-                       temperature=0.7, top_p=0.9, seed=0, stop_tokens=(2,))
+    out = generate_ids(graphdef, state, cfg, [[1, 5, 9], [1, 7]], GenerationConfig(max_new_tokens=32))
 
-Layout and conventions
-----------------------
-* Prompts are right-padded to a bucketed length ``T`` (multiple of 16, at most the cache
-  length) and prefilled in one call with positions ``0..T-1`` for every row. Following the
-  slot convention of ``inference/cache/dense.py`` (token at position p -> slot p), each row then
-  continues from its own length: its next token is fed at position ``len_b`` and overwrites the
-  junk its pad tokens left there before that slot is visible (the causal mask is by position).
-  So rows of different lengths never see padding, and no attention mask is carried around.
-* The cache comes from ``cache_factory(cfg, batch_size, max_len)`` (default
-  ``init_dense_cache``); the engine only threads it through the model, so the CateKV and 4-bit
-  caches slot in unchanged. It is donated to every jitted call (updated in place).
-* Prefill computes the LM head only at each row's last prompt token (not over all T
-  positions: for long prompts that would be the largest matmul of the call).
-* Decode is ONE compiled ``lax.while_loop`` (``decode_loop``) that stops as soon as every row
-  has finished (stop token or ``max_new_tokens``): no host round trip per token. When a
-  ``stream`` callback is given, the same jitted body (``decode_step``) is driven from Python one
-  step at a time instead, so the callback sees each step's tokens as soon as they exist, may
-  run arbitrary host code (tokenizer, printing, UI), and the two paths produce identical tokens
-  (same body, same key sequence). We chose this over ``io_callback`` inside the loop: an
-  ordered host callback synchronises every step anyway, so it saves nothing, while it would
-  tie user code to the device loop (exceptions surface late, calls into jax from the callback
-  can deadlock).
-* Finished rows stop emitting (the output buffer keeps ``pad_id`` there), their position stops
-  advancing; they still ride along in the batched forward (rewriting their own last slot)
-  because skipping rows would change shapes.
-
-Decode-strategy seam
---------------------
-A strategy is a hashable (static) object with two methods, called inside jit:
-
-* ``init(ctx, s, prefill_logits_BV) -> DecodeState`` — choose the first token(s) from the
-  prefill logits (a speculative drafter would prefill its own cache here from
-  ``ctx.prompt_BT``, carried in ``s.extra``);
-* ``step(ctx, s) -> DecodeState`` — one loop iteration: run ``ctx.model`` on the tokens to
-  feed, pick the next token(s), record them with ``ctx.emit``.
-
-``ctx`` holds the model closure ``model(cache, tokens_BT, positions_BT) -> (logits_BTV, cache)``,
-``emit(s, tokens_BK, n_new_B)`` (writes up to K tokens per row, applies stop tokens and
-``max_new_tokens``, sets ``done``), and the strategy's dynamic arguments ``args`` (a pytree, e.g.
-per-row temperatures). ``emit`` accepts several tokens per row per step, which is what
-speculative decoding needs; since slots are addressed by position, rolling back rejected
-draft tokens is just not advancing the position. ``SamplingStrategy`` (greedy / temperature /
-top-k / top-p plus optional logits processors ``proc(logits_BV, s) -> logits_BV`` applied
-before the sampling filters, as in HF) is the default; constrained and guided decoding can be
-written as logits processors or as strategies that carry their own state in ``s.extra``.
+Prompts are right-padded to a bucketed length and prefilled at positions ``0..T-1``; each row then
+continues from its own length, overwriting its pad junk before it becomes visible (the KV-cache
+slot convention), so rows never see padding. The LM head runs only at each row's last prompt
+token. The loop exits when every row is done (stop token or ``max_new_tokens``); with ``stream``
+the same jitted body is driven from Python one step at a time (identical tokens).
+A strategy (registered in ``pallasite.registry.DECODE_STRATEGY``; built from the
+``GenerationConfig``) is a hashable object with ``init(ctx, s, prefill_logits_BV)`` and
+``step(ctx, s)``, called inside jit; ``ctx.emit(s, tokens_BK, n_new_B)`` appends up to K tokens per
+row (stop tokens and ``max_new_tokens`` applied), so speculative decoding plugs in unchanged.
+docs/inference.md has the design notes.
 """
 
 from __future__ import annotations
@@ -62,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from pallasite.inference.cache import init_dense_cache
+from pallasite.inference.config import GenerationConfig, cache_kind
 from pallasite.inference.sampling import SamplingParams, SamplingSpec, sample
+from pallasite.ops.common import round_up
+from pallasite.registry import DECODE_STRATEGY, KV_CACHE
 
 PREFILL_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer recompiles)
 CACHE_BUCKET = 64  # default cache length is rounded up to a multiple of this
@@ -148,11 +114,16 @@ class SamplingStrategy:
         return ctx.emit(s, tok_B[:, None], jnp.ones_like(tok_B))
 
 
+def build_sampling(gen: GenerationConfig, n_prompts: int):
+    """The ``"sample"`` strategy: (SamplingStrategy, per-row SamplingParams) from the config."""
+    args, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
+    return SamplingStrategy(spec=spec, processors=tuple(gen.logits_processors)), args
+
+
+DECODE_STRATEGY.register("sample", build_sampling)
+
+
 # ----------------------------------------------------------------------------- model plumbing
-
-
-def _lm_head(model, h_BTD: jax.Array) -> jax.Array:
-    return model.head(h_BTD)
 
 
 def _model_fn(graphdef, state):
@@ -177,11 +148,10 @@ def prefill(graphdef, state, cache, tokens_BT, lengths_B, key, stop_tokens_S, pa
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     model = nnx.merge(graphdef, state)
-    if hasattr(cache, "with_prompt_lengths"):  # caches that select from the prompt (CateKV) need each row's length
-        cache = cache.with_prompt_lengths(lengths_B)
+    cache = cache.with_prompt_lengths(lengths_B)  # caches that select from the prompt (CateKV) need it
     h_BTD, cache, _ = model(tokens_BT, positions_BT, cache=cache, return_hidden=True)
     h_last_B1D = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)
-    logits_BV = _lm_head(model, h_last_B1D)[:, 0]
+    logits_BV = model.head(h_last_B1D)[:, 0]
     s = DecodeState(
         cache=cache,
         prompt_len_B=lengths_B.astype(jnp.int32),
@@ -208,22 +178,13 @@ def decode_loop(graphdef, state, s: DecodeState, stop_tokens_S, args, *, strateg
     return jax.lax.while_loop(lambda c: ~jnp.all(c.done_B), lambda c: strategy.step(ctx, c), s)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def forward_with_cache(graphdef, state, cache, tokens_BT, positions_BT):
     """One model call over the cache: (float32 logits [B,T,V], cache). For tests and tools."""
-    return _forward_with_cache(graphdef, state, cache, tokens_BT, positions_BT)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _forward_with_cache(graphdef, state, cache, tokens_BT, positions_BT):
     return _model_fn(graphdef, state)(cache, tokens_BT, positions_BT)
 
 
 # ----------------------------------------------------------------------------- host side
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, pad_id: int, max_new_tokens: int,
                     cache_len: Optional[int]):
@@ -246,7 +207,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, pad_id
     longest = int(lengths.max())
     need = longest + int(max_new_tokens)
     if cache_len is None:
-        cache_len = _round_up(need, CACHE_BUCKET)
+        cache_len = round_up(need, CACHE_BUCKET)
     cache_len = int(cache_len)
     if longest > cache_len:
         i = int(lengths.argmax())
@@ -256,7 +217,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, pad_id
         raise ValueError(
             f"prompt {i} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the KV cache "
             f"length {cache_len}; pass a larger cache_len or fewer max_new_tokens")
-    T = min(_round_up(longest, PREFILL_BUCKET), cache_len)
+    T = min(round_up(longest, PREFILL_BUCKET), cache_len)
     tokens = np.full((len(rows), T), pad_id, np.int32)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
@@ -269,18 +230,27 @@ def _stop_array(stop_tokens) -> jax.Array:
     return jnp.asarray(stops or [-1], jnp.int32)
 
 
-def run_decode(graphdef, state, cfg, prompts, *, max_new_tokens: int, strategy, args, key, stop_tokens=(),
-               stream: Optional[Callable[[list], Any]] = None, cache_len=None, cache_factory=None,
-               pad_id: Optional[int] = None) -> DecodeState:
-    """Prefill + decode with an explicit strategy; returns the final ``DecodeState``."""
-    if pad_id is None:
-        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+def make_cache_factory(cfg, gen: GenerationConfig, model=None) -> Callable:
+    """``factory(cfg, batch, max_len)`` building the generation's KV cache kind (see ``cache_kind``)."""
+    kind, config = cache_kind(cfg, gen)
+    cls = KV_CACHE.get(kind)
+    return lambda c, batch, max_len: cls.create(c, batch, max_len, config=config, model=model)
+
+
+def run_decode(graphdef, state, cfg, prompts, gen: GenerationConfig, *, strategy, args, key,
+               stream: Optional[Callable[[list], Any]] = None, cache_factory: Optional[Callable] = None,
+               model=None) -> DecodeState:
+    """Prefill + decode with an explicit strategy; returns the final ``DecodeState``. ``gen`` gives
+    ``max_new_tokens``, ``stop_tokens`` (None: the model's eos ids), ``cache_len``, ``pad_id`` and the
+    cache kind."""
+    pad_id = gen.pad_id if gen.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     pad_id = int(pad_id)
+    max_new_tokens = gen.max_new_tokens
     tokens_BT, lengths_B, cache_len = prepare_prompts(
-        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens, cache_len=cache_len)
-    factory = cache_factory or init_dense_cache
+        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens, cache_len=gen.cache_len)
+    factory = cache_factory or make_cache_factory(cfg, gen, model)
     cache = factory(cfg, tokens_BT.shape[0], cache_len)
-    stops = _stop_array(stop_tokens)
+    stops = _stop_array(cfg.eos_token_id if gen.stop_tokens is None else gen.stop_tokens)
     s = prefill(graphdef, state, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), key, stops,
                 jnp.int32(pad_id), args, strategy=strategy, max_new_tokens=int(max_new_tokens))
     if stream is None:
@@ -306,30 +276,21 @@ def results(s: DecodeState) -> list[list[int]]:
     return [out[i, : n_out[i]].tolist() for i in range(out.shape[0])]
 
 
-def generate_ids(graphdef, state, cfg, prompts: list[list[int]], *, max_new_tokens: int, temperature=0.0,
-                 top_k=None, top_p=None, seed: int = 0, key: Optional[jax.Array] = None, stop_tokens=(),
-                 stream: Optional[Callable[[list], Any]] = None, cache_len: Optional[int] = None,
-                 cache_factory: Optional[Callable] = None, logits_processors: tuple = (), strategy=None,
-                 strategy_args=None, pad_id: Optional[int] = None) -> list[list[int]]:
+def generate_ids(graphdef, state, cfg, prompts: list[list[int]], gen: Optional[GenerationConfig] = None, *,
+                 key: Optional[jax.Array] = None, stream: Optional[Callable[[list], Any]] = None,
+                 cache_factory: Optional[Callable] = None, model=None, **options) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` new tokens per prompt; returns the new tokens only.
 
-    ``temperature`` / ``top_k`` / ``top_p`` take a scalar or one value per prompt
-    (temperature 0 = greedy). ``key`` (a PRNG key) overrides ``seed``. ``stream`` is called once
-    per step with a list (one entry per prompt) of that step's new tokens (empty for finished
-    rows). ``cache_factory(cfg, batch, max_len)`` builds the KV cache (default dense, in the
-    model's compute dtype); ``cache_len`` defaults to the longest prompt + max_new_tokens
-    rounded up to a multiple of 64. ``strategy`` / ``strategy_args`` replace the default
-    ``SamplingStrategy`` (then the sampling arguments are ignored).
+    ``gen`` (a ``GenerationConfig``) and/or its fields as keyword ``options``. ``key`` (a PRNG key)
+    overrides ``gen.seed``. ``stream`` is called once per step with a list (one entry per prompt) of
+    that step's new tokens. ``cache_factory(cfg, batch, max_len)`` replaces the configured cache
+    kind (tools and tests); ``model`` (a ``pallasite.Model``) lets cache kinds find its artifacts.
     """
-    if strategy is None:
-        args, spec = SamplingParams.make(len(prompts), temperature, top_k, top_p)
-        strategy = SamplingStrategy(spec=spec, processors=tuple(logits_processors))
-    else:
-        args = strategy_args
-    key = jax.random.key(seed) if key is None else key
-    s = run_decode(graphdef, state, cfg, prompts, max_new_tokens=max_new_tokens, strategy=strategy, args=args,
-                   key=key, stop_tokens=stop_tokens, stream=stream, cache_len=cache_len,
-                   cache_factory=cache_factory, pad_id=pad_id)
+    gen = GenerationConfig.make(gen, **options)
+    strategy, args = DECODE_STRATEGY.get(gen.strategy)(gen, len(prompts))
+    key = jax.random.key(gen.seed) if key is None else key
+    s = run_decode(graphdef, state, cfg, prompts, gen, strategy=strategy, args=args, key=key, stream=stream,
+                   cache_factory=cache_factory, model=model)
     return results(s)
 
 

@@ -2,20 +2,20 @@
 RMSNorm (Qwen3) and sliding window (Mistral).
 
 Without a cache the block attends within the (possibly packed) sequence; with a cache the
-cache object does the write and the attention (``update_and_attend``), so sparse and
-quantized caches plug in without touching this module.
+cache object does the write and the attention (``KVCache.update_and_attend``), so sparse and
+quantized caches plug in without touching this module. Taps: ``attn.q`` / ``attn.k`` (after RoPE),
+``attn.v``, ``attn.out`` (see ``models/context.py``).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import RMSNorm, make_linear, prepare_shared_input
+from pallasite.models.context import ForwardContext
+from pallasite.models.layers import RMSNorm, make_linear
 from pallasite.models.rope import apply_rope
 from pallasite.ops.attention import attention
 
@@ -37,18 +37,11 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(
-        self,
-        x_BTD: jax.Array,
-        positions_BT: jax.Array,
-        rope_cos_sin: tuple[jax.Array, jax.Array],
-        *,
-        cache=None,
-        segment_ids_BT: Optional[jax.Array] = None,
-    ):
+    def __call__(self, x_BTD: jax.Array, ctx: ForwardContext, *, cache=None):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        x_in = prepare_shared_input(self.q_proj, x_BTD)  # q, k and v read one input
+        positions_BT = ctx.positions_BT
+        x_in = self.q_proj.prepare_shared_input(x_BTD)  # q, k and v read one input
         q, k = self.q_proj(x_in), self.k_proj(x_in)
         if self.q_norm is not None and cfg.qk_norm_scope == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -57,16 +50,19 @@ class Attention(nnx.Module):
         v = self.v_proj(x_in).reshape(B, T, cfg.n_kv_heads, cfg.dh)
         if self.q_norm is not None and cfg.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = ctx.rope
+        q = ctx.tap("attn.q", apply_rope(q, cos, sin))
+        k = ctx.tap("attn.k", apply_rope(k, cos, sin))
+        v = ctx.tap("attn.v", v)
         if cache is None:
             out = attention(
                 q, k, v, q_positions_BT=positions_BT, k_positions_BS=positions_BT, causal=True,
-                sliding_window=cfg.sliding_window, q_segment_ids_BT=segment_ids_BT,
-                k_segment_ids_BS=segment_ids_BT, impl=cfg.attention_impl,
+                sliding_window=cfg.sliding_window, q_segment_ids_BT=ctx.segment_ids_BT,
+                k_segment_ids_BS=ctx.segment_ids_BT, impl=cfg.attention_impl,
             )
         else:
             out, cache = cache.update_and_attend(
                 q, k, v, positions_BT, sliding_window=cfg.sliding_window, impl=cfg.attention_impl
             )
-        return self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.dh)), cache
+        out = ctx.tap("attn.out", out.reshape(B, T, cfg.n_heads * cfg.dh))
+        return self.o_proj(out), cache

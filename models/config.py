@@ -1,16 +1,14 @@
 """Model configuration: one frozen, hashable dataclass for every decoder-only family.
 
-Families covered by the same code (flags, not forks):
+Families are flags, not forks: llama (Llama 2/3, llama3 RoPE scaling, SmolLM2), mistral (sliding
+window), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), and the MoE families of
+``models/hf_moe.py``. Methods plug in through the seams, each validated against its registry
+(``pallasite.registry``): ``ffn`` + ``ffn_config``, ``linear`` + ``linear_config``, ``kv_cache`` +
+``kv_cache_config`` (the model's default serving cache) and ``attention_impl``. A ``*_config`` is
+the sub-config dataclass the kind registered (None -> its defaults; a mapping is validated).
 
-* llama   — Llama 2/3 (incl. ``rope_scaling={"rope_type": "llama3", ...}``), SmolLM2
-* mistral — Llama layout plus an optional sliding window
-* qwen2   — q/k/v biases (``qkv_bias=True``)
-* qwen3   — per-head RMSNorm on q and k before RoPE (``qk_norm=True``), explicit head_dim
-
-The config is hashable (it sits inside NNX graphdefs, which jit treats as static), so
-mappings are stored as sorted tuples of items; ``rope_scaling_dict`` gives them back.
-Method-specific sub-configs (MoE, MoLE, quantization, attention) live in their own frozen
-dataclasses and are attached through the ``ffn`` / ``linear`` / ``attention_impl`` seams.
+The config sits inside NNX graphdefs, which jit treats as static, so it is hashable: mappings are
+stored as sorted tuples of items (``rope_scaling_dict`` gives them back).
 """
 
 from __future__ import annotations
@@ -18,8 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
-FFN_KINDS = ("dense", "moe", "mole")
-ATTENTION_IMPLS = ("ref", "pallas")
+from pallasite import registry
+
+# (seam field, its sub-config field, registry)
+SEAMS = (("ffn", "ffn_config", registry.FFN), ("linear", "linear_config", registry.LINEAR),
+         ("kv_cache", "kv_cache_config", registry.KV_CACHE))
+REMAT_KINDS = ("none", "full", "dots")
+ACTIVATIONS = ("silu", "gelu", "gelu_exact")
 
 
 def _freeze(value: Any) -> Any:
@@ -67,20 +70,20 @@ class ModelConfig:
     # numerics
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters
-    # structure and seams
+    # structure and seams (kinds are registrations: pallasite.registry)
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots (checkpoint policy inside each block)
-    ffn: str = "dense"  # dense | moe | mole
-    linear: str = "float"  # float | (quantized kinds registered by ops/quant, training/fp4)
-    attention_impl: str = "ref"  # ref | pallas
+    ffn: str = "dense"
+    ffn_config: Any = None
+    linear: str = "float"
+    linear_config: Any = None
+    kv_cache: str = "dense"  # the cache generation uses unless it asks for another
+    kv_cache_config: Any = None
+    attention_impl: str = "ref"
     # token ids (optional; generation falls back to the tokenizer's)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[tuple] = None
     pad_token_id: Optional[int] = None
-    # method sub-configs (frozen dataclasses or None), owned by their modules
-    moe: Any = None
-    mole: Any = None
-    quant: Any = None
 
     def __post_init__(self):
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple):
@@ -90,6 +93,10 @@ class ModelConfig:
         elif isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self.validate()
+        for kind_field, config_field, reg in SEAMS:
+            value = reg.make_config(getattr(self, kind_field), getattr(self, config_field),
+                                    field=f"ModelConfig.{config_field}")
+            object.__setattr__(self, config_field, value)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -101,6 +108,10 @@ class ModelConfig:
         return None if self.rope_scaling is None else _thaw(self.rope_scaling)
 
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``; changing a seam's kind drops its old sub-config (defaults)."""
+        for kind_field, config_field, _ in SEAMS:
+            if kind_field in changes and config_field not in changes and changes[kind_field] != getattr(self, kind_field):
+                changes[config_field] = None
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
@@ -117,18 +128,19 @@ class ModelConfig:
         need(self.head_dim is not None or self.d_model % self.n_heads == 0,
              f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim explicitly")
         need(self.dh % 2 == 0, f"head_dim={self.dh} must be even for rotary embeddings")
-        need(self.ffn in FFN_KINDS, f"ffn={self.ffn!r}; expected one of {FFN_KINDS}")
-        need(self.attention_impl in ATTENTION_IMPLS, f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+        for kind_field, _, reg in SEAMS:
+            reg.check(getattr(self, kind_field), field=f"ModelConfig.{kind_field}")
+        registry.ATTENTION.check(self.attention_impl, field="ModelConfig.attention_impl")
         need(self.qk_norm_scope in ("head", "full"), f"qk_norm_scope={self.qk_norm_scope!r}; expected head | full")
-        need(self.remat in ("none", "full", "dots"), f"remat={self.remat!r}; expected none | full | dots")
-        need(self.hidden_act in ("silu", "gelu", "gelu_exact"), f"hidden_act={self.hidden_act!r}; expected silu | gelu | gelu_exact")
+        need(self.remat in REMAT_KINDS, f"remat={self.remat!r}; expected one of {REMAT_KINDS}")
+        need(self.hidden_act in ACTIVATIONS, f"hidden_act={self.hidden_act!r}; expected one of {ACTIVATIONS}")
 
     def to_dict(self) -> dict:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
-                v = {"__kind__": type(v).__name__, **dataclasses.asdict(v)}
+                v = registry.config_to_dict(v)
             elif f.name == "rope_scaling":
                 v = self.rope_scaling_dict
             elif isinstance(v, tuple):
@@ -143,12 +155,7 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"ModelConfig: unknown key(s) {unknown}; known keys are {sorted(known)}")
-        kwargs = dict(d)
-        for key in ("moe", "mole", "quant"):
-            sub = kwargs.get(key)
-            if isinstance(sub, Mapping):
-                kwargs[key] = sub_config_from_dict(key, sub)
-        return cls(**kwargs)
+        return cls(**dict(d))
 
     def num_params(self) -> int:
         """Parameter count of the dense model (embeddings included once when tied)."""
@@ -162,47 +169,23 @@ class ModelConfig:
         return self.n_layers * (attn + mlp + norms) + emb + d
 
 
-# Registry of method sub-config classes, filled by the modules that own them (moe, mole, quant),
-# so that a JSON round-trip of a ModelConfig restores the right dataclass.
-SUB_CONFIGS: dict[str, type] = {}
+def model_config_from(d, *, vocab_size: Optional[int] = None) -> ModelConfig:
+    """ModelConfig from a dict or ConfigDict of its fields; ``vocab_size=0`` in ``d`` ("take it from
+    the tokenizer") is replaced by ``vocab_size`` (or by a placeholder for validation)."""
+    if hasattr(d, "to_dict"):
+        d = d.to_dict()
+    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(d).items()}
+    if not d.get("vocab_size"):
+        d["vocab_size"] = vocab_size if vocab_size else 1
+    return ModelConfig.from_dict(d)
 
 
-def register_sub_config(key: str, cls: type) -> type:
-    SUB_CONFIGS[key] = cls
-    return cls
-
-
-def sub_config_from_dict(key: str, d: Mapping[str, Any]):
-    d = dict(d)
-    d.pop("__kind__", None)
-    if key not in SUB_CONFIGS:
-        # Import the owning module lazily so its register_sub_config runs.
-        import importlib
-
-        for mod in {"moe": ["pallasite.models.moe"], "mole": ["pallasite.models.mole"],
-                    "quant": ["pallasite.models.quantized"]}.get(key, []):
-            try:
-                importlib.import_module(mod)
-            except ImportError:
-                pass
-    if key not in SUB_CONFIGS:
-        raise ValueError(f"ModelConfig: no sub-config class registered for {key!r}")
-    cls = SUB_CONFIGS[key]
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"ModelConfig.{key}: unknown key(s) {unknown}; known keys are {sorted(known)}")
-    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
-
-
-def sub_config_of(cfg: "ModelConfig", key: str, cls: type):
-    """The method sub-config ``cfg.<key>`` as a ``cls`` instance: defaults when None, validated
-    (unknown keys named) when given as a mapping, a clear error for any other type."""
-    value = getattr(cfg, key)
-    if value is None:
-        return cls()
-    if isinstance(value, Mapping):
-        return sub_config_from_dict(key, value)
+def kind_config(cfg: ModelConfig, seam: str, kind: str, cls: type):
+    """``cfg.<seam>_config`` for a module that implements ``kind``: a clear error when the config
+    selects another kind (the sub-config is already validated by ``ModelConfig``)."""
+    if getattr(cfg, seam) != kind:
+        raise ValueError(f"ModelConfig.{seam}={getattr(cfg, seam)!r}; this needs {seam}={kind!r}")
+    value = getattr(cfg, f"{seam}_config")
     if not isinstance(value, cls):
-        raise TypeError(f"ModelConfig.{key} must be a {cls.__name__}, got {type(value).__name__}")
+        raise TypeError(f"ModelConfig.{seam}_config must be a {cls.__name__}, got {type(value).__name__}")
     return value

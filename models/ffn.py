@@ -1,26 +1,25 @@
 """Feed-forward seam: ``make_ffn(cfg)`` builds the FFN kind named by ``cfg.ffn``.
 
-Every FFN has the call signature ``ffn(x_BTD, *, token_ids_BT, embed_BTD) -> (y_BTD, aux)``
-where ``aux`` is a dict of scalar auxiliary losses (empty for dense). ``token_ids_BT`` and
-``embed_BTD`` (the embedding-layer output) are what Mixture of Lookup Experts reads; dense and
-MoE FFNs ignore them. Kinds other than dense are registered by their own modules
-(``models/moe.py``, ``models/mole.py``), imported lazily here.
+Every FFN kind (registered in ``pallasite.registry.FFN``) is built as ``cls(cfg, rngs=rngs)`` and
+called as ``ffn(x_BTD, ctx) -> (y_BTD, aux)``: ``x`` is the post-attention-normed residual stream,
+``ctx`` the per-call ``ForwardContext`` (token ids, embedding output, positions, segment ids,
+taps) and ``aux`` a dict of scalar auxiliary losses, already weighted (empty for dense).
 """
 
 from __future__ import annotations
-
-import importlib
-from typing import Callable
 
 import jax
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import activation, make_linear, prepare_shared_input
+from pallasite.models.context import ForwardContext
+from pallasite.models.layers import activation, make_linear
+from pallasite.registry import FFN
 
 
+@FFN.register("dense")
 class DenseFFN(nnx.Module):
-    """SwiGLU MLP (Llama): down(act(gate(x)) * up(x))."""
+    """Gated MLP (SwiGLU for Llama): down(act(gate(x)) * up(x))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
         d_ff = cfg.d_ff if d_ff is None else d_ff
@@ -29,22 +28,10 @@ class DenseFFN(nnx.Module):
         self.up_proj = make_linear(cfg.d_model, d_ff, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs)
         self.down_proj = make_linear(d_ff, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs)
 
-    def __call__(self, x_BTD: jax.Array, *, token_ids_BT=None, embed_BTD=None):
-        x_in = prepare_shared_input(self.gate_proj, x_BTD)  # gate and up read one input
+    def __call__(self, x_BTD: jax.Array, ctx: ForwardContext | None = None):
+        x_in = self.gate_proj.prepare_shared_input(x_BTD)  # gate and up read one input
         return self.down_proj(self.act(self.gate_proj(x_in)) * self.up_proj(x_in)), {}
 
 
-FFN_REGISTRY: dict[str, Callable[..., nnx.Module]] = {"dense": DenseFFN}
-_FFN_MODULES = {"moe": "pallasite.models.moe", "mole": "pallasite.models.mole"}
-
-
-def register_ffn(kind: str, cls: Callable[..., nnx.Module]) -> None:
-    FFN_REGISTRY[kind] = cls
-
-
 def make_ffn(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-    if cfg.ffn not in FFN_REGISTRY and cfg.ffn in _FFN_MODULES:
-        importlib.import_module(_FFN_MODULES[cfg.ffn])
-    if cfg.ffn not in FFN_REGISTRY:
-        raise ValueError(f"ffn={cfg.ffn!r} is not available; registered kinds: {sorted(FFN_REGISTRY)}")
-    return FFN_REGISTRY[cfg.ffn](cfg, rngs=rngs)
+    return FFN.get(cfg.ffn, field="ModelConfig.ffn")(cfg, rngs=rngs)

@@ -1,58 +1,20 @@
-"""Hugging Face checkpoints ⇄ pallasite: config mapping, safetensors import/export, no torch.
+"""Hugging Face safetensors ⇄ pallasite state, no torch (config mapping: ``models/hf_config.py``).
 
-    cfg = config_from_hf(json.load(open("config.json")))          # -> ModelConfig
     cfg, state = import_hf("path/to/hf_folder", scan_layers=True)   # state ≅ nnx.split(abstract_model(cfg))[1]
     export_hf(cfg, state, "out_folder")                             # config.json, generation_config.json, safetensors
 
-Weights are read with ``safetensors``' numpy backend (``safe_open(..., framework="numpy")``)
-from ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``; torch is
-never imported. Layout differences handled here:
-
-* HF ``nn.Linear`` weights are ``[out, in]``; our ``Linear.kernel`` is ``[in, out]`` (transpose).
-* HF keeps one tensor per layer (``model.layers.{i}.…``); with ``cfg.scan_layers`` our layer
-  parameters are stacked on a leading ``[L]`` axis (``np.stack`` on import, index on export).
-* Tied embeddings: HF drops ``lm_head.weight`` from the file; so do we (a file that carries it
-  anyway is accepted when it equals the embedding, and rejected otherwise).
-* RoPE: both HF layouts use rotate_half, as ``models/rope.py`` does, so q/k need no permutation
-  (GGUF does: see ``models/gguf.py``).
-
-Strictness: every pallasite parameter must be produced from exactly one shape-checked read,
-and every tensor in the file must be consumed. A missing, extra or misshaped tensor raises
-``CheckpointMismatchError`` naming the HF tensor, the expected and the actual shape. Only the
-non-persistent rotary buffers some old exports carry (``*.rotary_emb.inv_freq``) are ignored.
-
-HF → pallasite → HF round-trips bit-exactly (same names, same dtype, same bytes) as long as
-``dtype=None`` (parameters keep the checkpoint's storage dtype; ``cfg.param_dtype`` records it,
-while the compute ``cfg.dtype`` stays float32 — change it with ``cfg.replace(dtype=...)``).
-
-Extension hooks (so MoE / MoLE / new families plug in from their own modules, without editing
-this file — e.g. ``models/hf_moe.py``):
-
-``register_model_type(model_type, *, from_hf, to_hf, architecture)``
-    ``from_hf(hf: dict) -> ModelConfig`` turns a config.json dict into a ModelConfig whose
-    ``family`` equals ``model_type`` (``config_to_hf`` dispatches on ``cfg.family``);
-    ``to_hf(cfg) -> dict`` is its inverse (``model_type``, ``architectures`` and ``dtype`` are
-    filled in by ``config_to_hf``). Reuse ``dense_config_kwargs(hf)`` / ``dense_config_to_hf(cfg)``
-    for the shared Llama-style fields. Unknown types listed in ``_LAZY_MODEL_TYPE_MODULES`` are
-    imported on first use, so ``import_hf`` on a Mixtral folder works without an explicit import.
-
-``register_ffn_mapping(kind, to_hf_fn, from_hf_fn)`` for ``cfg.ffn == kind``:
-    ``to_hf_fn(cfg, ffn_params, prefix, layer) -> {hf_name: np.ndarray}`` where ``ffn_params``
-    maps paths *relative to the block's ``ffn`` module* (e.g. ``("gate_proj", "kernel")``) to
-    this layer's numpy arrays (the layer axis already removed), ``prefix`` is
-    ``"model.layers.{layer}."`` and returned names are full HF names.
-    ``from_hf_fn(cfg, read, prefix, layer, expected) -> {rel_path: np.ndarray}`` where
-    ``expected`` maps the same relative paths to the shapes pallasite wants for this layer and
-    ``read(hf_name, shape=None)`` returns one tensor (marking it consumed) and raises the
-    named error when it is absent or — given ``shape``, in HF's own layout — misshaped. The
-    result must cover ``expected`` exactly (checked here). Both functions must be pure and
-    exact inverses of each other, so the round-trip stays bit-exact.
+Weights are read with safetensors' numpy backend from ``model.safetensors`` or the shards of
+``model.safetensors.index.json``. HF ``[out, in]`` linears are transposed to our ``[in, out]``;
+with ``scan_layers`` layer parameters are stacked on ``[L]``; a tied head is dropped (or accepted
+when equal to the embedding). Strict: every parameter comes from exactly one shape-checked read
+and every tensor in the file is consumed, else ``CheckpointMismatchError`` names the tensor and
+the shapes. HF -> pallasite -> HF round-trips bit-exactly with ``dtype=None``. FFN kinds register
+their tensor mapping in ``pallasite.registry.HF_FFN`` as ``(to_hf_fn, from_hf_fn)`` (contract:
+docs/checkpoints.md; ``models/hf_moe.py`` is the worked example).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import os
 from typing import Any, Callable, Mapping, Optional
@@ -62,7 +24,9 @@ import numpy as np
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
+from pallasite.models.hf_config import config_from_hf, config_to_hf
 from pallasite.models.transformer import abstract_model
+from pallasite.registry import HF_FFN
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -77,261 +41,13 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not match the model the config describes (missing/extra/misshaped)."""
 
 
-# --------------------------------------------------------------------------- config mapping
-
-_HF_ACT = {"silu": "silu", "swish": "silu", "gelu": "gelu_exact", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
-_ACT_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "gelu_exact": "gelu"}
-_ROPE_KINDS = ("default", "linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelTypeSpec:
-    model_type: str
-    from_hf: Callable[[dict], ModelConfig]
-    to_hf: Callable[[ModelConfig], dict]
-    architecture: str
-
-
-MODEL_TYPES: dict[str, ModelTypeSpec] = {}
-# Families registered by other modules, imported the first time they are asked for.
-_LAZY_MODEL_TYPE_MODULES = {
-    "mixtral": "pallasite.models.hf_moe",
-    "qwen2_moe": "pallasite.models.hf_moe",
-    "qwen3_moe": "pallasite.models.hf_moe",
-    "olmoe": "pallasite.models.hf_moe",
-}
-
-
-def register_model_type(model_type: str, *, from_hf: Callable[[dict], ModelConfig],
-                        to_hf: Callable[[ModelConfig], dict], architecture: str) -> None:
-    MODEL_TYPES[model_type] = ModelTypeSpec(model_type, from_hf, to_hf, architecture)
-
-
-def _spec(model_type: str) -> ModelTypeSpec:
-    if model_type not in MODEL_TYPES and model_type in _LAZY_MODEL_TYPE_MODULES:
-        try:
-            importlib.import_module(_LAZY_MODEL_TYPE_MODULES[model_type])
-        except ImportError:
-            pass
-    if model_type not in MODEL_TYPES:
-        raise ValueError(
-            f"Hugging Face model_type {model_type!r} is not supported; supported model types: "
-            f"{sorted(MODEL_TYPES)} (register more with pallasite.models.hf.register_model_type)"
-        )
-    return MODEL_TYPES[model_type]
-
-
-def _need(hf: Mapping, key: str):
-    if key not in hf or hf[key] is None:
-        raise ValueError(f"HF config ({hf.get('model_type')}): required key {key!r} is missing")
-    return hf[key]
-
-
-def rope_from_hf(hf: Mapping) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling dict or None) from v5 ``rope_parameters`` or the older
-    top-level ``rope_theta`` + ``rope_scaling``. Unsupported scaling types fail here rather
-    than at the first forward."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        params = dict(hf.get("rope_scaling") or {})
-        theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    else:
-        params = dict(params)
-        if params and all(isinstance(v, Mapping) for v in params.values()):
-            raise ValueError(f"HF config: per-layer-type rope_parameters {sorted(params)} are not supported")
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in _ROPE_KINDS:
-        raise ValueError(f"HF config: rope type {kind!r} is not supported; expected one of {_ROPE_KINDS}")
-    prf = params.get("partial_rotary_factor", 1.0)
-    if prf not in (None, 1.0):
-        raise ValueError(f"HF config: partial_rotary_factor={prf} is not supported (only full rotary)")
-    if kind == "default":
-        return float(theta), None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
-    scaling["rope_type"] = kind
-    return float(theta), scaling
-
-
-def _sliding_window_from_hf(hf: Mapping) -> Optional[int]:
-    mt = hf.get("model_type")
-    if mt == "mistral":
-        return hf.get("sliding_window")
-    if not hf.get("use_sliding_window", False) or hf.get("sliding_window") is None:
-        return None
-    n = int(hf["num_hidden_layers"])
-    # Qwen2/3: layer i slides iff i >= max_window_layers (transformers' Qwen2Config.__post_init__).
-    types = hf.get("layer_types") or [
-        "sliding_attention" if i >= int(hf.get("max_window_layers", 0)) else "full_attention" for i in range(n)
-    ]
-    if all(t == "sliding_attention" for t in types):
-        return int(hf["sliding_window"])
-    if all(t == "full_attention" for t in types):
-        return None
-    raise ValueError(f"HF config ({mt}): mixed sliding/full attention layers {types} are not supported "
-                     "(pallasite applies one sliding_window to every layer)")
-
-
-def _eos(v):
-    if v is None:
-        return None
-    return (int(v),) if isinstance(v, int) else tuple(int(i) for i in v)
-
-
-def dense_config_kwargs(hf: Mapping) -> dict:
-    """ModelConfig kwargs for the fields every Llama-style config.json shares."""
-    act = hf.get("hidden_act", "silu")
-    if act not in _HF_ACT:
-        raise ValueError(f"HF config: hidden_act={act!r} is not supported; expected one of {sorted(_HF_ACT)}")
-    theta, scaling = rope_from_hf(hf)
-    n_heads = int(_need(hf, "num_attention_heads"))
-    d = int(_need(hf, "hidden_size"))
-    return dict(
-        vocab_size=int(_need(hf, "vocab_size")),
-        d_model=d,
-        n_layers=int(_need(hf, "num_hidden_layers")),
-        n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or d // n_heads),
-        d_ff=int(_need(hf, "intermediate_size")),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        hidden_act=_HF_ACT[act],
-        sliding_window=_sliding_window_from_hf(hf),
-        family=str(hf["model_type"]),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=_eos(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"),
-    )
-
-
-def dense_config_to_hf(cfg: ModelConfig) -> dict:
-    """The shared Llama-style config.json fields (inverse of ``dense_config_kwargs``)."""
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        rope = {**cfg.rope_scaling_dict, "rope_theta": cfg.rope_theta}
-    eos = cfg.eos_token_id
-    return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.dh,
-        intermediate_size=cfg.d_ff,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope,
-        max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=cfg.tie_embeddings,
-        hidden_act=_ACT_HF[cfg.hidden_act],
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=None if eos is None else (eos[0] if len(eos) == 1 else list(eos)),
-        pad_token_id=cfg.pad_token_id,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-    )
-
-
-def _reject(cfg: ModelConfig, family: str, **must):
-    bad = {k: getattr(cfg, k) for k, v in must.items() if getattr(cfg, k) != v}
-    if bad:
-        raise ValueError(f"config_to_hf: a {family} checkpoint cannot express {bad}; it requires {must}")
-
-
-def _llama_from_hf(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
-
-
-def _llama_to_hf(cfg):
-    _reject(cfg, "llama", qk_norm=False, sliding_window=None, o_bias=cfg.qkv_bias)
-    return {**dense_config_to_hf(cfg), "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "pretraining_tp": 1}
-
-
-def _mistral_from_hf(hf):
-    return ModelConfig(**dense_config_kwargs(hf))
-
-
-def _mistral_to_hf(cfg):
-    _reject(cfg, "mistral", qk_norm=False, qkv_bias=False, o_bias=False, mlp_bias=False)
-    return {**dense_config_to_hf(cfg), "sliding_window": cfg.sliding_window}
-
-
-def _qwen_sliding(cfg):
-    if cfg.sliding_window is None:
-        return dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
-                    layer_types=["full_attention"] * cfg.n_layers)
-    return dict(use_sliding_window=True, sliding_window=cfg.sliding_window, max_window_layers=0,
-                layer_types=["sliding_attention"] * cfg.n_layers)
-
-
-def _qwen2_from_hf(hf):
-    # Qwen2Attention hard-codes bias=True on q/k/v and none on o_proj or the MLP.
-    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=True)
-
-
-def _qwen2_to_hf(cfg):
-    _reject(cfg, "qwen2", qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
-    return {**dense_config_to_hf(cfg), **_qwen_sliding(cfg)}
-
-
-def _qwen3_from_hf(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bias, o_bias=bias, qk_norm=True)
-
-
-def _qwen3_to_hf(cfg):
-    _reject(cfg, "qwen3", qk_norm=True, mlp_bias=False, o_bias=cfg.qkv_bias)
-    return {**dense_config_to_hf(cfg), "attention_bias": cfg.qkv_bias, **_qwen_sliding(cfg)}
-
-
-register_model_type("llama", from_hf=_llama_from_hf, to_hf=_llama_to_hf, architecture="LlamaForCausalLM")
-register_model_type("mistral", from_hf=_mistral_from_hf, to_hf=_mistral_to_hf, architecture="MistralForCausalLM")
-register_model_type("qwen2", from_hf=_qwen2_from_hf, to_hf=_qwen2_to_hf, architecture="Qwen2ForCausalLM")
-register_model_type("qwen3", from_hf=_qwen3_from_hf, to_hf=_qwen3_to_hf, architecture="Qwen3ForCausalLM")
-
-
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig from a config.json dict (any registered model_type)."""
-    if "model_type" not in hf:
-        raise ValueError(f"HF config has no 'model_type'; supported model types: {sorted(MODEL_TYPES)}")
-    return _spec(hf["model_type"]).from_hf(dict(hf))
-
-
-def config_to_hf(cfg: ModelConfig, *, dtype: Optional[str] = None) -> dict:
-    """config.json dict (transformers v5 layout) for ``cfg``; readable by ``AutoConfig``."""
-    spec = _spec(cfg.family)
-    out = spec.to_hf(cfg)
-    out.update(model_type=spec.model_type, architectures=[spec.architecture],
-               dtype=dtype or str(np.dtype(cfg.param_dtype)))
-    return dict(sorted(out.items()))
-
-
 # --------------------------------------------------------------------------- tensor mapping
 
 Read = Callable[..., np.ndarray]
-FFN_MAPPINGS: dict[str, tuple[Callable, Callable]] = {}
-_LAZY_FFN_MODULES = {"moe": "pallasite.models.hf_moe", "mole": "pallasite.models.hf_moe"}
-
-
-def register_ffn_mapping(kind: str, to_hf_fn: Callable, from_hf_fn: Callable) -> None:
-    """Tensor mapping for ``cfg.ffn == kind`` (contract in the module docstring)."""
-    FFN_MAPPINGS[kind] = (to_hf_fn, from_hf_fn)
 
 
 def _ffn_mapping(kind: str):
-    if kind not in FFN_MAPPINGS and kind in _LAZY_FFN_MODULES:
-        try:
-            importlib.import_module(_LAZY_FFN_MODULES[kind])
-        except ImportError:
-            pass
-    if kind not in FFN_MAPPINGS:
-        raise ValueError(f"no HF tensor mapping for ffn={kind!r}; registered: {sorted(FFN_MAPPINGS)}")
-    return FFN_MAPPINGS[kind]
+    return HF_FFN.get(kind, field="HF tensor mapping for ffn")
 
 
 def linear_to_hf(kernel_in_out: np.ndarray) -> np.ndarray:
@@ -362,7 +78,7 @@ def _dense_from_hf(cfg, read, prefix, layer, expected):
             for p, hf, lin in _DENSE_FFN if p in expected}
 
 
-register_ffn_mapping("dense", _dense_to_hf, _dense_from_hf)
+HF_FFN.register("dense", (_dense_to_hf, _dense_from_hf))
 
 # Attention and norms are the same for every family (a linear kind keeps kernel/bias names).
 _BLOCK = [(("attn", n, "kernel"), f"self_attn.{n}.weight", True) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]

@@ -1,8 +1,8 @@
 """Hugging Face MoE checkpoints ⇄ pallasite: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
-Registers the four ``model_type``s (``models/hf.register_model_type``) and the ``moe`` FFN
-tensor mapping (``register_ffn_mapping``); ``import_hf`` / ``export_hf`` then work as for
-dense models. Family conventions (router → ``MoEConfig``):
+Registers the four ``model_type``s (``HF_MODEL_TYPE``) and the ``moe`` FFN tensor mapping
+(``HF_FFN``); ``import_hf`` / ``export_hf`` then work as for dense models. Family conventions
+(router → ``MoEConfig``):
 
 =========== ============================== ==================== ========================
 model_type  expert tensors on disk         gating               extras
@@ -35,10 +35,10 @@ from typing import Mapping
 import numpy as np
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.hf import (
-    dense_config_kwargs, dense_config_to_hf, linear_from_hf, linear_to_hf, register_ffn_mapping, register_model_type,
-)
-from pallasite.models.moe import MoEConfig
+from pallasite.models.hf import linear_from_hf, linear_to_hf
+from pallasite.models.hf_config import dense_config_kwargs, dense_config_to_hf, register_model_type
+from pallasite.models.moe import MoEConfig, moe_config_of
+from pallasite.registry import HF_FFN
 
 _MIXTRAL_NAMES = {"gate": "block_sparse_moe.gate.weight", "experts": "block_sparse_moe.experts.{e}.",
                   "w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight",
@@ -72,11 +72,11 @@ def _mixtral_from_hf(hf):
         _bad(hf, f"router_jitter_noise={hf['router_jitter_noise']} is not implemented (expected 0.0)")
     moe = MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
                     norm_topk_prob=True, **_moe_kwargs(hf))
-    return ModelConfig(**dense_config_kwargs(hf), ffn="moe", moe=moe)
+    return ModelConfig(**dense_config_kwargs(hf), ffn="moe", ffn_config=moe)
 
 
 def _mixtral_to_hf(cfg):
-    m = cfg.moe
+    m = moe_config_of(cfg)
     if not m.norm_topk_prob or m.shared_expert_d_ff or m.router_bias or cfg.qkv_bias or cfg.qk_norm:
         raise ValueError("config_to_hf: a mixtral checkpoint needs norm_topk_prob=True, no shared expert, no router "
                          "bias, no q/k/v bias and no qk_norm")
@@ -93,11 +93,11 @@ def _qwen2_moe_from_hf(hf):
                     d_expert=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                     shared_expert_d_ff=int(hf.get("shared_expert_intermediate_size") or 0), shared_expert_gate=True,
                     **_moe_kwargs(hf))
-    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bool(hf.get("qkv_bias", True)), ffn="moe", moe=moe)
+    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bool(hf.get("qkv_bias", True)), ffn="moe", ffn_config=moe)
 
 
 def _qwen_moe_common_to_hf(cfg):
-    m = cfg.moe
+    m = moe_config_of(cfg)
     return {**dense_config_to_hf(cfg), "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
             "moe_intermediate_size": m.d_expert or cfg.d_ff, "norm_topk_prob": m.norm_topk_prob,
             "router_aux_loss_coef": m.lb_loss_coef, "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -106,7 +106,7 @@ def _qwen_moe_common_to_hf(cfg):
 
 
 def _qwen2_moe_to_hf(cfg):
-    m = cfg.moe
+    m = moe_config_of(cfg)
     if not m.shared_expert_d_ff or not m.shared_expert_gate or cfg.qk_norm or m.router_bias:
         raise ValueError("config_to_hf: a qwen2_moe checkpoint needs a gated shared expert, no qk_norm, no router bias")
     return {**_qwen_moe_common_to_hf(cfg), "shared_expert_intermediate_size": m.shared_expert_d_ff,
@@ -121,11 +121,11 @@ def _qwen3_moe_from_hf(hf):
                     d_expert=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                     **_moe_kwargs(hf))
     bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bias, o_bias=bias, qk_norm=True, ffn="moe", moe=moe)
+    return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bias, o_bias=bias, qk_norm=True, ffn="moe", ffn_config=moe)
 
 
 def _qwen3_moe_to_hf(cfg):
-    m = cfg.moe
+    m = moe_config_of(cfg)
     if m.shared_expert_d_ff or not cfg.qk_norm or m.router_bias or cfg.o_bias != cfg.qkv_bias:
         raise ValueError("config_to_hf: a qwen3_moe checkpoint needs per-head qk_norm, no shared expert, no router bias")
     out = {**_qwen_moe_common_to_hf(cfg), "attention_bias": cfg.qkv_bias}
@@ -140,11 +140,11 @@ def _olmoe_from_hf(hf):
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), **_moe_kwargs(hf))
     bias = bool(hf.get("attention_bias", False))
     return ModelConfig(**dense_config_kwargs(hf), qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_scope="full",
-                       ffn="moe", moe=moe)
+                       ffn="moe", ffn_config=moe)
 
 
 def _olmoe_to_hf(cfg):
-    m = cfg.moe
+    m = moe_config_of(cfg)
     if m.shared_expert_d_ff or not cfg.qk_norm or cfg.qk_norm_scope != "full" or m.router_bias:
         raise ValueError("config_to_hf: an olmoe checkpoint needs full-width qk_norm, no shared expert, no router bias")
     if (m.d_expert or cfg.d_ff) != cfg.d_ff:
@@ -210,39 +210,4 @@ def _moe_from_hf(cfg, read, prefix, layer, expected):
     return out
 
 
-register_ffn_mapping("moe", _moe_to_hf, _moe_from_hf)
-
-
-# ----------------------------------------------------------------------------- tiny test families
-def _tiny_moe(kind: str):
-    def build(**kw):
-        import transformers
-
-        from pallasite.testing import TINY_BASE
-
-        base = {**TINY_BASE, "tie_word_embeddings": False}
-        if kind == "mixtral":
-            return transformers.MixtralConfig(**{**base, "intermediate_size": 48, "num_local_experts": 8,
-                                                 "num_experts_per_tok": 2, "router_jitter_noise": 0.0, **kw})
-        if kind == "qwen2_moe":
-            return transformers.Qwen2MoeConfig(**{**base, "num_experts": 8, "num_experts_per_tok": 4,
-                                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                                                  "norm_topk_prob": False, **kw})
-        if kind == "qwen3_moe":
-            return transformers.Qwen3MoeConfig(**{**base, "num_experts": 8, "num_experts_per_tok": 2,
-                                                  "moe_intermediate_size": 32, "norm_topk_prob": True, "head_dim": 32,
-                                                  **kw})
-        if kind == "olmoe":
-            return transformers.OlmoeConfig(**{**base, "intermediate_size": 32, "num_experts": 8,
-                                               "num_experts_per_tok": 3, "norm_topk_prob": False, **kw})
-        raise ValueError(kind)
-
-    return build
-
-
-def register_tiny_moe_families() -> None:
-    """Add mixtral / qwen2_moe / qwen3_moe / olmoe to ``pallasite.testing``'s tiny builders."""
-    from pallasite.testing import register_tiny_family
-
-    for kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
-        register_tiny_family(kind, _tiny_moe(kind))
+HF_FFN.register("moe", (_moe_to_hf, _moe_from_hf))

@@ -1,13 +1,15 @@
-"""Basic layers: Linear (the quantization seam), RMSNorm, Embed.
+"""Basic layers: the linear seam, RMSNorm, Embed, activations.
 
-Every parameter carries ``logical_axes`` metadata (names from ``sharding.LOGICAL_AXES``); the
-rule table in ``sharding.py`` maps them onto mesh axes. Parameters are stored in
-``param_dtype`` and cast to the compute ``dtype`` at use (mixed precision).
+Every parameter carries ``logical_axes`` metadata (names from ``sharding.py``'s rule table, which
+maps them onto mesh axes). Parameters are stored in ``param_dtype`` and cast to the compute
+``dtype`` at use (mixed precision).
 
-``Linear`` is the seam for quantized and low-precision matmuls: ``make_linear`` looks the
-config's ``linear`` kind up in ``LINEAR_KINDS``; FP4 training and W4A4 register their own
-classes with the same constructor signature and the same parameter names (``kernel``,
-``bias``) so that checkpoints and sharding rules keep working.
+Linear kinds (``ModelConfig.linear``, registered in ``pallasite.registry.LINEAR``) subclass
+``LinearBase``: constructor ``cls(in_features, out_features, *, cfg, axes, use_bias, init_std,
+rngs)``, parameters named ``kernel`` ``[in, out]`` and ``bias`` (so checkpoints and sharding rules
+keep working), ``lin(x)``. A group of linears that read one input (q/k/v; gate/up) calls
+``first.prepare_shared_input(x)`` once and hands the result to each member, so a kind may
+precompute what all of them need (identity by default).
 """
 
 from __future__ import annotations
@@ -19,17 +21,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-
-
-def dtype_of(name) -> jnp.dtype:
-    return jnp.dtype(name)
+from pallasite.registry import LINEAR
 
 
 def _normal(stddev: float):
     return jax.nn.initializers.normal(stddev=stddev)
 
 
-class Linear(nnx.Module):
+class LinearBase(nnx.Module):
+    """What every linear kind shares: the shared-input hook (identity unless a kind overrides it)."""
+
+    def prepare_shared_input(self, x: jax.Array):
+        """The value the linears of a shared-input group consume instead of ``x``."""
+        return x
+
+
+@LINEAR.register("float")
+class Linear(LinearBase):
     """y = x @ kernel (+ bias); kernel layout [in, out] (HF stores [out, in])."""
 
     def __init__(
@@ -44,8 +52,8 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.in_features, self.out_features = in_features, out_features
-        self.dtype = dtype_of(cfg.dtype)
-        pdt = dtype_of(cfg.param_dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
+        pdt = jnp.dtype(cfg.param_dtype)
         self.kernel = nnx.Param(
             _normal(init_std)(rngs.params(), (in_features, out_features), pdt), logical_axes=tuple(axes)
         )
@@ -63,30 +71,9 @@ class Linear(nnx.Module):
         return y
 
 
-LINEAR_KINDS: dict[str, Callable[..., nnx.Module]] = {"float": Linear}
-
-
-def register_linear(kind: str, cls: Callable[..., nnx.Module]) -> None:
-    LINEAR_KINDS[kind] = cls
-
-
-def prepare_shared_input(first_linear: nnx.Module, x: jax.Array):
-    """The input of a group of linears that read the same array (q/k/v; gate/up).
-
-    A linear kind may precompute once what every member of the group needs (``QuantLinear``: the
-    online transform and int4 quantization, FlatQuant's shared transforms) by defining
-    ``prepare_shared_input(x)``; the group's linears then accept the returned value. For every
-    other kind this is ``x`` itself.
-    """
-    prepare = getattr(first_linear, "prepare_shared_input", None)
-    return x if prepare is None else prepare(x)
-
-
 def make_linear(in_features, out_features, *, cfg: ModelConfig, axes, use_bias=False, init_std=0.02, rngs):
-    try:
-        cls = LINEAR_KINDS[cfg.linear]
-    except KeyError:
-        raise ValueError(f"linear={cfg.linear!r} is not a registered linear kind; known: {sorted(LINEAR_KINDS)}") from None
+    """A linear of the config's kind (``cfg.linear``)."""
+    cls = LINEAR.get(cfg.linear, field="ModelConfig.linear")
     return cls(in_features, out_features, cfg=cfg, axes=axes, use_bias=use_bias, init_std=init_std, rngs=rngs)
 
 
@@ -96,8 +83,8 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, cfg: ModelConfig, eps: Optional[float] = None, axis_name: str = "norm",
                  rngs: nnx.Rngs | None = None):
         self.eps = cfg.norm_eps if eps is None else eps
-        self.dtype = dtype_of(cfg.dtype)
-        self.scale = nnx.Param(jnp.ones((dim,), dtype_of(cfg.param_dtype)), logical_axes=(axis_name,))
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps).astype(self.dtype)
@@ -113,9 +100,9 @@ class Embed(nnx.Module):
     """Token embedding table [V, D]; ``attend`` gives tied-embedding logits."""
 
     def __init__(self, vocab_size: int, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.dtype = dtype_of(cfg.dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
         self.embedding = nnx.Param(
-            _normal(0.02)(rngs.params(), (vocab_size, dim), dtype_of(cfg.param_dtype)), logical_axes=("vocab", "embed")
+            _normal(0.02)(rngs.params(), (vocab_size, dim), jnp.dtype(cfg.param_dtype)), logical_axes=("vocab", "embed")
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:

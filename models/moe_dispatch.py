@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallasite.models.moe import expert_ffn_rows
+from pallasite.models.moe_experts import expert_ffn_rows
 
 BATCH_MESH_AXES = ("data", "fsdp", "expert")  # the default rule table's "batch" entry
 

@@ -54,9 +54,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallasite.models.config import ModelConfig, register_sub_config, sub_config_of
-from pallasite.models.ffn import register_ffn
-from pallasite.models.layers import RMSNorm, activation, dtype_of, make_linear
+from pallasite.models.config import ModelConfig, kind_config
+from pallasite.models.context import ForwardContext
+from pallasite.models.layers import RMSNorm, activation, make_linear
+from pallasite.registry import FFN
 
 MOLE_MODES = ("train", "lut")
 
@@ -108,13 +109,8 @@ class MoLEConfig:
         return dataclasses.replace(self, **changes)
 
 
-register_sub_config("mole", MoLEConfig)
-
-
 def mole_config_of(cfg: ModelConfig) -> MoLEConfig:
-    if cfg.ffn != "mole":
-        raise ValueError(f"ModelConfig.ffn={cfg.ffn!r}; a MoLE model needs ffn='mole'")
-    return sub_config_of(cfg, "mole", MoLEConfig)
+    return kind_config(cfg, "ffn", "mole", MoLEConfig)
 
 
 class LUTRows(nnx.Variable):
@@ -200,9 +196,9 @@ class RoutedExperts(nnx.Module):
     """N stacked non-gated GELU experts (weights ``up [N, D, F]``, ``down [N, F, D]``)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, d_expert: int, act: str, *, rngs: nnx.Rngs):
-        pdt = dtype_of(cfg.param_dtype)
+        pdt = jnp.dtype(cfg.param_dtype)
         init = jax.nn.initializers.normal(0.02)
-        self.act, self.dtype = act, dtype_of(cfg.dtype)
+        self.act, self.dtype = act, jnp.dtype(cfg.dtype)
         self.up = nnx.Param(init(rngs.params(), (n_experts, cfg.d_model, d_expert), pdt),
                             logical_axes=("expert", "embed", "expert_mlp"))
         self.down = nnx.Param(init(rngs.params(), (n_experts, d_expert, cfg.d_model), pdt),
@@ -220,11 +216,11 @@ class MoLEFFN(nnx.Module):
         self.n_experts, self.mode = int(m.n_experts), m.mode
         self.dedup_fraction, self.vocab_size = float(m.dedup_fraction), cfg.vocab_size
         self.d_model = cfg.d_model
-        self.dtype = dtype_of(cfg.dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
         self.shared = GeluMLP(cfg, m.d_shared or cfg.d_ff, m.activation, rngs=rngs)
         if self.n_experts:
             self.router = nnx.Param(
-                jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.d_model, self.n_experts), dtype_of(cfg.param_dtype)),
+                jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.d_model, self.n_experts), jnp.dtype(cfg.param_dtype)),
                 logical_axes=("embed", None),
             )
         else:
@@ -250,15 +246,16 @@ class MoLEFFN(nnx.Module):
         """E_lj(RMSNorm_l(e)) for all j: ``[B, T, N, D]`` (training mode only)."""
         return self.experts(self.expert_norm(embed_BTD))
 
-    def __call__(self, x_BTD, *, token_ids_BT=None, embed_BTD=None):
+    def __call__(self, x_BTD, ctx: ForwardContext):
         y = self.shared(x_BTD)
         if not self.n_experts:
             return y, {}
         B, T, _ = x_BTD.shape
         g_BTN = self.gates(x_BTD).astype(self.dtype)
         if self.mode == "train":
+            embed_BTD, token_ids_BT = ctx.embed_BTD, ctx.token_ids_BT
             if embed_BTD is None:
-                raise ValueError("MoLE FFN needs embed_BTD (the embedding-layer output); the Block must pass it")
+                raise ValueError("MoLE FFN needs the embedding-layer output (ForwardContext.embed_BTD)")
             ex = self.experts
             n_BTD = self.expert_norm(embed_BTD)
             X, D = B * T, self.d_model
@@ -282,7 +279,7 @@ class MoLEFFN(nnx.Module):
         return y + mix, {}
 
 
-register_ffn("mole", MoLEFFN)
+FFN.register("mole", MoLEFFN, config=MoLEConfig)
 
 
 # ----------------------------------------------------------------------------- variants
@@ -299,11 +296,11 @@ def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_param
     (``"paper"``, 1.5× the activated parameters). Used by configs/experts and benchmarks/experts
     (kept here so neither needs the other)."""
     if kind == "dense":
-        return dict(ffn="mole", mole=dict(n_experts=0))
+        return dict(ffn="mole", ffn_config=dict(n_experts=0))
     if kind == "dense_glu":  # control: the core's gated FFN (GeGLU) at the dense model's activated params
         return dict(ffn="dense", hidden_act="gelu_exact", d_ff=max(1, round(d_ff * 2 / 3)))
     if kind.startswith("mole"):
-        return dict(ffn="mole", mole=dict(n_experts=int(kind[4:])))
+        return dict(ffn="mole", ffn_config=dict(n_experts=int(kind[4:])))
     if kind.startswith("moe"):
         if moe_width not in ("equal_params", "paper"):
             raise ValueError(f"moe_width={moe_width!r}; expected equal_params | paper")
@@ -312,7 +309,7 @@ def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_param
         else:  # k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the dense FFN
             width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
         return dict(ffn="moe", hidden_act="gelu_exact",
-                    moe=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
+                    ffn_config=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
                              gated=moe_gated, lb_loss_coef=0.01, z_loss_coef=0.001))
     raise ValueError(f"unknown expert variant {kind!r}; expected dense | dense_glu | moleN | moeN")
 
@@ -324,15 +321,6 @@ def activated_ffn_params(cfg: ModelConfig) -> int:
     m = mole_config_of(cfg)
     ds = m.d_shared or cfg.d_ff
     return 2 * cfg.d_model * ds + (cfg.d_model * m.n_experts if m.n_experts else 0)
-
-
-def training_ffn_params(cfg: ModelConfig) -> int:
-    """Per-layer FFN parameters during training (shared + router + expert norm + N experts)."""
-    m = mole_config_of(cfg)
-    if not m.n_experts:
-        return activated_ffn_params(cfg)
-    dr = m.d_expert or cfg.d_ff
-    return activated_ffn_params(cfg) + cfg.d_model + m.n_experts * 2 * cfg.d_model * dr
 
 
 def lut_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:

@@ -48,8 +48,9 @@ import numpy as np
 from flax import nnx
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import dtype_of, rms_norm
+from pallasite.models.layers import rms_norm
 from pallasite.models.mole import LUTRows, experts_forward, mole_config_of
+from pallasite.models.transformer import abstract_model
 
 MAGIC = b"PLSLUT01"
 FORMAT_VERSION = 1
@@ -78,13 +79,13 @@ def build_lut(model, *, dtype=None, chunk: int = 4096) -> np.ndarray:
     """Re-parameterise every expert of every layer into ``LUT [V, L, N, d]`` (host numpy).
 
     ``LUT[v, l, j] = E_lj(RMSNorm_l(Embed[v]))`` computed in the model's compute dtype, then cast
-    to ``dtype`` (default ``cfg.mole.lut_dtype``, float16 as in the paper)."""
+    to ``dtype`` (default ``MoLEConfig.lut_dtype``, float16 as in the paper)."""
     cfg = model.cfg
     m = mole_config_of(cfg)
     if not m.n_experts:
         raise ValueError("build_lut: this MoLE config has n_experts=0 (dense baseline); there is nothing to tabulate")
-    out_dtype = np.dtype(dtype_of(dtype or m.lut_dtype))
-    cdt = dtype_of(cfg.dtype)
+    out_dtype = np.dtype(jnp.dtype(dtype or m.lut_dtype))
+    cdt = jnp.dtype(cfg.dtype)
     emb_VD = model.embed.embedding[...]
     V = emb_VD.shape[0]
     layers = _layer_expert_params(model)
@@ -107,16 +108,14 @@ def build_lut(model, *, dtype=None, chunk: int = 4096) -> np.ndarray:
 
 def lut_config(cfg: ModelConfig) -> ModelConfig:
     """The LUT-mode twin of a training-mode MoLE config."""
-    return cfg.replace(mole=mole_config_of(cfg).replace(mode="lut"))
+    return cfg.replace(ffn_config=mole_config_of(cfg).replace(mode="lut"))
 
 
 def to_lut_model(model):
     """The LUT-mode model sharing every non-expert parameter of ``model`` (experts and expert
     norms dropped; ``lut_rows`` placeholders added)."""
-    from pallasite.models.transformer import Transformer
-
     cfg_l = lut_config(model.cfg)
-    lut_model = nnx.eval_shape(lambda: Transformer(cfg_l, rngs=nnx.Rngs(params=0)))
+    lut_model = abstract_model(cfg_l)
     src = dict(nnx.to_flat_state(nnx.state(model)))
     flat = nnx.to_flat_state(nnx.state(lut_model))
     new = []
@@ -267,7 +266,7 @@ class _Meta:
     def bytes_per_token(self) -> int:
         row_len = int(np.prod(self.row_shape))
         if self.quant == "none":
-            return row_len * np.dtype(dtype_of(self.dtype)).itemsize
+            return row_len * np.dtype(jnp.dtype(self.dtype)).itemsize
         padded = _padded_row(row_len, self.block)
         return padded // 8 * _bits_of(self.quant) + (padded // self.block) * 2
 

@@ -1,45 +1,16 @@
-"""Occult — collaborative communication for expert-parallel MoE (Luo et al., ICML 2025,
-"Occult: Optimizing Collaborative Communication across Experts for Accelerated Parallel MoE
-Training and Inference"; official code UNITES-Lab/Occult, not retrievable here — this is
-our reading of the paper's text and of the brief in shared/papers/systems.md).
+"""Occult expert placement and profiling (Luo et al., ICML 2025, "Occult: Optimizing Collaborative
+Communication across Experts for Accelerated Parallel MoE Training and Inference").
 
-Definitions. N_e experts over N_d devices, E_loc = N_e / N_d contiguous experts per device
-(after placement, slot i lives on device i // E_loc), top-k routing. Two experts chosen by
-one token *collaborate*; the collaboration is intra-device when they share a device.
-CT(token) = number of distinct devices among its k experts; CT = mean over tokens, with
-``ceil(k·N_d/N_e) ≤ CT ≤ min(k, N_d)``. Standard EP moves k replicas per token each way,
-Occult's dispatch (``models/moe_dispatch.py``, ``MoEConfig.dispatch="occult"``) moves CT.
-
-This module holds the parts that change *which experts sit together* or *which experts a
-token may use*:
-
-* ``profile_routing`` / ``coactivation`` — run a model over profiling batches recording
-  each MoE layer's routing, and build per-layer co-activation matrices
-  ``P[l, i, j]`` = number of tokens that selected both i and j (diagonal: load of i).
-* ``greedy_placement`` — Algorithm 1 as we read it: devices are filled one after another;
-  each starts from the unassigned expert with the largest total collaboration with the
-  other unassigned experts (the paper seeds FPS-style; this seed is our choice, stated
-  here), then repeatedly adds the unassigned expert with the highest total collaboration
-  with the experts already on that device, until it holds E_loc experts.
-* ``apply_placement`` — the placement as a params → params permutation: expert weights
-  (``w_gate``, ``w_up``, ``w_down``), router columns (and router bias) and the similarity
-  table are permuted per layer. The model's function is unchanged (the router's softmax and
-  top-k are permutation-equivariant), so its outputs are identical.
-* ``prune_routing`` — collaboration pruning: each token keeps its experts within at most
-  N_d' devices. The allowed devices are the N_d' with the largest sum of the token's top-k
-  router probabilities (ties → lower device index) — the paper's exact device-selection rule
-  could not be confirmed; this is our choice. ``score``: re-select the top-k experts by router
-  probability among the allowed devices' experts. ``similarity``: keep the selected experts
-  on allowed devices and replace each other one by the most similar not-yet-selected expert
-  on an allowed device (similarity table from profiling data, ``expert_similarity``); the
-  substitute inherits the replaced expert's gate probability. Renormalisation (Mixtral /
-  ``norm_topk_prob``) happens after pruning, in the layer. Requires N_d'·E_loc ≥ k.
-  With N_d' = N_d pruning is the identity.
-* ``expert_similarity`` — per layer, cosine similarity of the experts' outputs on the
-  profiled MoE inputs, averaged over tokens.
-
-Communication accounting lives in ``models/occult_accounting.py``; pruned fine-tuning
-(non-MoE parameters frozen, as in the paper) in ``models/occult_finetune.py``.
+N_e experts over N_d devices, E_loc = N_e / N_d contiguous experts per device. CT(token) = number of
+distinct devices among its k experts; Occult's dispatch moves CT replicas instead of k. This module
+changes *which experts sit together*: ``profile_routing`` records each MoE layer's routing through
+the model's own blocks (taps ``ffn.in``, ``moe.experts``, ``moe.router_probs``); ``coactivation``
+builds ``P[i, j]`` = tokens that chose both; ``greedy_placement`` is Algorithm 1 as we read it
+(devices filled one after another, each seeded by the unassigned expert with the largest total
+collaboration — the seed is our choice — then grown by the expert with the highest collaboration
+with the device's experts); ``apply_placement`` permutes expert weights, router columns and
+similarity tables (the function is unchanged); ``expert_similarity`` feeds similarity pruning
+(``models/moe_routing.prune_routing``). Gated and non-gated experts are both handled.
 """
 
 from __future__ import annotations
@@ -54,51 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")
+from pallasite.models.context import Taps
+from pallasite.models.transformer import capture
 
-
-# ----------------------------------------------------------------------------- pruning
-def prune_routing(probs_NE, weights_NK, experts_NK, *, num_devices: int, max_devices: int, kind: str = "score",
-                  similarity_EE=None):
-    """Restrict every token's k experts to at most ``max_devices`` of ``num_devices`` groups.
-
-    ``weights_NK`` are the (un-renormalised) top-k probabilities. Returns (weights_NK, experts_NK)."""
-    N, E = probs_NE.shape
-    K = experts_NK.shape[1]
-    E_loc = E // num_devices
-    if max_devices * E_loc < K:
-        raise ValueError(
-            f"collaboration pruning: max_devices={max_devices} devices × {E_loc} experts each < top_k={K}; "
-            f"every token needs at least k experts on its allowed devices"
-        )
-    if max_devices >= num_devices:
-        return weights_NK, experts_NK
-    dev_NK = experts_NK // E_loc
-    dev_score_ND = jnp.zeros((N, num_devices), jnp.float32).at[jnp.arange(N)[:, None], dev_NK].add(weights_NK)
-    # stable top-N_d' of the device scores (ties → lower index)
-    _, allowed_dev = jax.lax.top_k(dev_score_ND - 1e-9 * jnp.arange(num_devices), max_devices)
-    allowed_ND = jnp.zeros((N, num_devices), bool).at[jnp.arange(N)[:, None], allowed_dev].set(True)
-    allowed_NE = jnp.repeat(allowed_ND, E_loc, axis=1)
-    if kind == "score":
-        masked = jnp.where(allowed_NE, probs_NE, -1.0)
-        w, e = jax.lax.top_k(masked, K)
-        return w, e.astype(jnp.int32)
-    if kind == "similarity":
-        if similarity_EE is None:
-            raise ValueError("similarity pruning needs an expert-similarity table [E, E] (see expert_similarity)")
-        sim = jnp.asarray(similarity_EE, jnp.float32)
-        on_allowed_NK = jnp.take_along_axis(allowed_NE, experts_NK, axis=1)
-        taken_NE = jnp.zeros((N, E), bool).at[jnp.arange(N)[:, None], experts_NK].set(on_allowed_NK)
-        new_e = []
-        for k in range(K):  # greedy in slot order so substitutes stay distinct
-            e_k = experts_NK[:, k]
-            cand = jnp.where(allowed_NE & ~taken_NE, sim[e_k], -jnp.inf)
-            sub = jnp.argmax(cand, axis=1).astype(jnp.int32)
-            chosen = jnp.where(on_allowed_NK[:, k], e_k, sub)
-            taken_NE = taken_NE.at[jnp.arange(N), chosen].set(True)
-            new_e.append(chosen)
-        return weights_NK, jnp.stack(new_e, axis=1)
-    raise ValueError(f"prune kind={kind!r}; expected 'score' or 'similarity'")
+EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")  # w_gate is absent for non-gated experts
 
 
 # ----------------------------------------------------------------------------- placement
@@ -209,9 +139,9 @@ def moe_layer_count(state) -> tuple[int, int, bool]:
     flat = _flat(state)
     layers = _moe_leaf_paths(flat)
     if not layers:
-        raise ValueError("state has no MoE FFN parameters (…/ffn/w_gate); is cfg.ffn == 'moe'?")
+        raise ValueError("state has no MoE FFN parameters (…/ffn/w_up); is cfg.ffn == 'moe'?")
     (key, names), = list(layers.items())[:1]
-    w = flat[names["w_gate"]][...]
+    w = flat[names["w_up"]][...]
     if len(layers) == 1 and w.ndim == 4:  # scan_layers: [L, E, D, F]
         return int(w.shape[0]), int(w.shape[1]), True
     return len(layers), int(w.shape[0]), False
@@ -267,59 +197,36 @@ def set_similarity(state, similarity_LEE):
 
 # ----------------------------------------------------------------------------- profiling
 def profile_routing(graphdef, state, batches: Iterable) -> dict:
-    """Run the model on ``batches`` (int [B, T] token arrays) and return, per MoE layer (in
-    depth order), the selected ``experts`` [N, k], router ``probs`` [N, E] and ``inputs``
-    [N, D] (the MoE layer's input, i.e. the post-attention-normed hidden state).
-
-    The blocks are stepped here (embed → per block: attention, norm, routing, FFN) because
-    the Transformer runs each block on a merged copy, so values sown inside would be lost;
-    the block code itself is the model's. List layout only (``scan_layers=False``)."""
-    from pallasite.models.moe import MoE
-
+    """Run the model on ``batches`` (int [B, T] token arrays) and return, per MoE layer (in depth
+    order), the selected ``experts`` [N, k], router ``probs`` [N, E] and ``inputs`` [N, D] (the MoE
+    layer's input, the post-attention-normed hidden state), captured inside the model's own
+    blocks (either layer layout)."""
     model = nnx.merge(graphdef, state)
-    cfg = model.cfg
-    if cfg.scan_layers:
-        raise ValueError("profile_routing needs scan_layers=False")
-    if not any(isinstance(b.ffn, MoE) for b in model.layers):
-        raise ValueError("profile_routing: the model has no MoE layers")
-
+    if model.cfg.ffn != "moe":
+        raise ValueError(f"profile_routing: the model has no MoE layers (ffn={model.cfg.ffn!r})")
     run = _PROFILE_FNS.get(graphdef)
     if run is None:
-        run = _PROFILE_FNS[graphdef] = jax.jit(functools.partial(_profile_forward, graphdef, cfg))
+        run = _PROFILE_FNS[graphdef] = jax.jit(functools.partial(_profile_forward, graphdef))
     out = {"experts": [], "probs": [], "inputs": []}
     for tokens in batches:
-        for i, (e, p, u) in enumerate(run(state, jnp.asarray(tokens))):
-            for key, val in zip(("experts", "probs", "inputs"), (e, p, u)):
+        rec = run(state, jnp.asarray(tokens))
+        for key in out:
+            for i, val in enumerate(np.asarray(rec[key])):
                 if len(out[key]) <= i:
                     out[key].append([])
-                out[key][i].append(np.asarray(val))
+                out[key][i].append(val)
     return {k: [np.concatenate(x) for x in v] for k, v in out.items()}
 
 
 _PROFILE_FNS: dict = {}  # graphdef → jitted profiling forward (graphdefs are hashable)
+_PROFILE_TAPS = Taps(capture=("ffn.in", "moe.experts", "moe.router_probs"))
 
 
-def _profile_forward(graphdef, cfg, st, tokens_BT):
-    """Embed, then per block: attention, norm, routing record, FFN (the Transformer's order)."""
-    from pallasite.models.moe import MoE
-    from pallasite.models.rope import inv_frequencies, rope_cos_sin
-
-    mdl = nnx.merge(graphdef, st)
-    B, T = tokens_BT.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    rope = rope_cos_sin(pos, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
-    x = emb = mdl.embed(tokens_BT)
-    recs = []
-    for block in mdl.layers:
-        h, _ = block.attn(block.input_norm(x), pos, rope)
-        x = x + h
-        u = block.post_attn_norm(x)
-        if isinstance(block.ffn, MoE):
-            _, probs, _, e_BTK, _ = block.ffn.routing(u.astype(block.ffn.dtype))
-            recs.append((e_BTK.reshape(B * T, -1), probs, u.reshape(B * T, -1)))
-        y, _ = block.ffn(u, token_ids_BT=tokens_BT, embed_BTD=emb)
-        x = x + y
-    return recs
+def _profile_forward(graphdef, st, tokens_BT):
+    _, inter = capture(graphdef, st, tokens_BT, _PROFILE_TAPS)
+    u_LBTD = inter["ffn.in"]
+    return {"experts": inter["moe.experts"], "probs": inter["moe.router_probs"],
+            "inputs": u_LBTD.reshape(u_LBTD.shape[0], -1, u_LBTD.shape[-1])}
 
 
 def coactivation(experts_NK: np.ndarray, num_experts: int) -> np.ndarray:
@@ -331,15 +238,18 @@ def coactivation(experts_NK: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def expert_similarity(w_gate_EDF, w_up_EDF, w_down_EFD, x_ND, act=jax.nn.silu) -> np.ndarray:
-    """Mean over tokens of the cosine similarity between experts' outputs → [E, E]."""
+    """Mean over tokens of the cosine similarity between experts' outputs → [E, E]
+    (``w_gate_EDF`` None: non-gated experts ``down(act(x·up))``)."""
     x = jnp.asarray(x_ND, jnp.float32)
-    h = act(jnp.einsum("nd,edf->enf", x, w_gate_EDF)) * jnp.einsum("nd,edf->enf", x, w_up_EDF)
+    u = jnp.einsum("nd,edf->enf", x, w_up_EDF)
+    h = act(u) if w_gate_EDF is None else act(jnp.einsum("nd,edf->enf", x, w_gate_EDF)) * u
     y = jnp.einsum("enf,efd->end", h, w_down_EFD)
     y = y / (jnp.linalg.norm(y, axis=-1, keepdims=True) + 1e-9)
     return np.asarray(jnp.einsum("ind,jnd->ij", y, y) / x.shape[0])
 
 
 def layer_expert_weights(state) -> list:
-    """[(w_gate, w_up, w_down)] per MoE layer (list layout)."""
+    """[(w_gate or None, w_up, w_down)] per MoE layer (list layout)."""
     flat = _flat(state)
-    return [tuple(flat[names[n]][...] for n in EXPERT_PARAM_NAMES) for names in _moe_leaf_paths(flat).values()]
+    return [tuple(flat[names[n]][...] if n in names else None for n in EXPERT_PARAM_NAMES)
+            for names in _moe_leaf_paths(flat).values()]

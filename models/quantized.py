@@ -55,11 +55,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from pallasite.models.config import ModelConfig, register_sub_config
-from pallasite.models.layers import dtype_of, register_linear
-from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4
+from pallasite.models.config import ModelConfig, kind_config
+from pallasite.models.layers import LinearBase
+from pallasite.models.transformer import abstract_model
+from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4, unpack_weight_int4
 from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref, quantize_rows_packed
-from pallasite.ops.quant.quantizers import LAC_INIT, fake_quant_act_sym, pack_int4, quantize_act_sym
+from pallasite.ops.quant.quantizers import (LAC_INIT, NO_CLIP_LOGIT, fake_quant_act_sym, pack_int4, quantize_act_sym,
+                                            quantize_weight_sym)
+from pallasite.registry import LINEAR
 
 QUANT_METHODS = ("rtn", "smoothquant", "hadamard", "flatquant")
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
@@ -83,7 +86,7 @@ def decompose_dim(n: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Sub-config of a quantized model (``cfg.quant``; ``cfg.linear == "w4a4"``)."""
+    """Sub-config of a quantized model (``linear="w4a4"``, ``linear_config=QuantConfig(...)``)."""
 
     method: str = "flatquant"  # rtn | smoothquant | hadamard | flatquant
     w_bits: int = 4
@@ -103,9 +106,6 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)}; expected 4 or 16 (off)")
         if self.impl not in ("ref", "pallas"):
             raise ValueError(f"QuantConfig.impl={self.impl!r}; expected 'ref' or 'pallas'")
-
-
-register_sub_config("quant", QuantConfig)
 
 
 def check_quantizable(cfg: ModelConfig) -> None:
@@ -142,15 +142,15 @@ class SharedQuantInput:
     codes: Optional[tuple] = None
 
 
-class QuantLinear(nnx.Module):
+class QuantLinear(LinearBase):
     """Deployed W4A4 linear: online Kronecker transform + per-token int4 activations × int4 weights."""
 
     def __init__(self, in_features: int, out_features: int, *, cfg: ModelConfig, axes, use_bias: bool = False,
                  init_std: float = 0.02, rngs: nnx.Rngs):
-        q = cfg.quant if cfg.quant is not None else QuantConfig()
+        q = kind_config(cfg, "linear", "w4a4", QuantConfig)
         self.qcfg = q
         self.in_features, self.out_features = in_features, out_features
-        self.dtype = dtype_of(cfg.dtype)
+        self.dtype = jnp.dtype(cfg.dtype)
         axes = tuple(axes)
         if q.w_bits < 16:
             if in_features % 2:
@@ -211,8 +211,6 @@ class QuantLinear(nnx.Module):
                 x = fake_quant_act_sym(x, self.act_clip[...])
             w = self.kernel[...]
             if q.w_bits < 16:
-                from pallasite.ops.quant.int_gemm import unpack_weight_int4
-
                 w = unpack_weight_int4(w).astype(jnp.float32) * self.w_scale[...][None, :]
             y = jnp.dot(x, w.astype(jnp.float32))
             if bias is not None:
@@ -220,7 +218,7 @@ class QuantLinear(nnx.Module):
         return y.astype(self.dtype)
 
 
-register_linear("w4a4", QuantLinear)
+LINEAR.register("w4a4", QuantLinear, config=QuantConfig)
 
 
 # ====================================================================== folding (float64, numpy)
@@ -327,16 +325,13 @@ def layer_weights(pure: dict, cfg: ModelConfig, i: int) -> dict:
 
 def quantized_config(cfg: ModelConfig, qcfg: QuantConfig) -> ModelConfig:
     check_quantizable(cfg)
-    return cfg.replace(linear="w4a4", quant=qcfg, scan_layers=False)
+    return cfg.replace(linear="w4a4", linear_config=qcfg, scan_layers=False)
 
 
 def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[dict], qcfg: QuantConfig,
                           weight_quantizer=None):
     """Assemble the deployed model: (cfg_q, pure state dict). ``weight_quantizer(i, name, w_IO) ->
     (q int8 [in, out], scale [out])`` defaults to RTN; GPTQ plugs in here."""
-    from pallasite.models.transformer import abstract_model
-    from pallasite.ops.quant.quantizers import quantize_weight_sym
-
     if qcfg.share_inputs:
         qcfg = dataclasses.replace(qcfg, share_inputs=_groups_share_factors(folded_layers),
                                    shared_act_clip=_groups_share_clips(folded_layers))
@@ -372,7 +367,7 @@ def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[d
                 p["in_left"] = np.eye(n1, dtype=np.float32) if lr is None else np.asarray(lr[0], np.float32)
                 p["in_right"] = np.eye(n2, dtype=np.float32) if lr is None else np.asarray(lr[1], np.float32)
             clip = f["lac"].get(name)
-            p["act_clip"] = np.full((2,), 30.0, np.float32) if clip is None else np.asarray(clip, np.float32)
+            p["act_clip"] = np.full((2,), NO_CLIP_LOGIT, np.float32) if clip is None else np.asarray(clip, np.float32)
     return cfg_q, pure
 
 
@@ -398,8 +393,6 @@ def _groups_share_clips(folded_layers: list[dict]) -> bool:
 
 def kv_transforms(cfg: ModelConfig, resolved_layers: list[dict]) -> dict:
     """Per-layer K-cache transform / inverse-transpose and K/V clip logits for ``init_kv4_cache``."""
-    from pallasite.inference.cache.kv4 import NO_CLIP_LOGIT
-
     Dh = cfg.dh
     eye = np.eye(Dh)
     kt = np.stack([np.asarray(t["k"]) if t.get("k") is not None else eye for t in resolved_layers])
@@ -412,8 +405,6 @@ def kv_transforms(cfg: ModelConfig, resolved_layers: list[dict]) -> dict:
 
 def state_from_pure(cfg_q: ModelConfig, pure: dict):
     """(graphdef, nnx.State) of the deployed model from its pure dict."""
-    from pallasite.models.transformer import abstract_model
-
     graphdef, abstract_state = nnx.split(abstract_model(cfg_q))
     leaves = jax.tree.map(jnp.asarray, pure)
     nnx.replace_by_pure_dict(abstract_state, leaves)

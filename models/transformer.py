@@ -4,13 +4,13 @@ pure functional forward used by every loop.
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     logits_BTV, cache, aux = forward(graphdef, state, tokens_BT, positions_BT, cache=cache)
+    logits_BTV, inter = capture(graphdef, state, tokens_BT, Taps(capture=("ffn.in",)))  # inter["ffn.in"]: [L, ...]
 
-Layers are an ``nnx.List`` of blocks, or — with ``cfg.scan_layers`` — one block whose
-parameters carry a leading layer axis, applied with ``jax.lax.scan`` (compile time independent
-of depth). KV caches always carry a leading layer axis, so both layouts share one cache (a
-cache may also hold layer-independent state, e.g. CateKV's packed head pools: ``split_shared``).
-``cfg.remat`` wraps each block in ``jax.checkpoint`` (``full``: save nothing; ``dots``: save
-matmul outputs without batch dims).
+Layers are an ``nnx.List`` of blocks, or — with ``cfg.scan_layers`` — one block whose parameters
+carry a leading layer axis, applied with ``jax.lax.scan``. Every block gets one ``ForwardContext``
+(``models/context.py``); caches follow the ``KVCache`` protocol (``inference/cache/base.py``: a
+leading layer axis, plus state shared by all layers that rides along the layers). ``cfg.remat``
+wraps each block in ``jax.checkpoint`` (``full``: save nothing; ``dots``: save matmul outputs).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from flax import nnx
 
 from pallasite.models.attention import Attention
 from pallasite.models.config import ModelConfig
+from pallasite.models.context import NO_TAPS, ForwardContext, Taps
 from pallasite.models.ffn import make_ffn
 from pallasite.models.layers import Embed, Linear, RMSNorm
 from pallasite.models.rope import inv_frequencies, rope_cos_sin
@@ -35,11 +36,14 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.ffn = make_ffn(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, *, cache=None, segment_ids_BT=None, token_ids_BT=None, embed_BTD=None):
-        h, cache = self.attn(self.input_norm(x_BTD), positions_BT, rope, cache=cache, segment_ids_BT=segment_ids_BT)
+    def __call__(self, x_BTD, ctx: ForwardContext, *, cache=None):
+        """(x, cache, aux losses) for one layer; ``ctx.captured`` receives the tapped values."""
+        x_BTD = ctx.tap("block.in", x_BTD)
+        h, cache = self.attn(ctx.tap("attn.in", self.input_norm(x_BTD)), ctx, cache=cache)
         x_BTD = x_BTD + h
-        y, aux = self.ffn(self.post_attn_norm(x_BTD), token_ids_BT=token_ids_BT, embed_BTD=embed_BTD)
-        return x_BTD + y, cache, aux
+        y, aux = self.ffn(ctx.tap("ffn.in", self.post_attn_norm(x_BTD)), ctx)
+        x_BTD = ctx.tap("block.out", x_BTD + ctx.tap("ffn.out", y))
+        return x_BTD, cache, aux
 
 
 def _remat_policy(kind: str):
@@ -64,68 +68,71 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, cfg=cfg, axes=("embed", "vocab"), rngs=rngs)
 
-    def __call__(
-        self,
-        tokens_BT: jax.Array,
-        positions_BT: Optional[jax.Array] = None,
-        *,
-        cache: Any = None,
-        segment_ids_BT: Optional[jax.Array] = None,
-        return_hidden: bool = False,
-    ):
+    def context(self, tokens_BT, positions_BT=None, *, segment_ids_BT=None, taps: Taps = NO_TAPS) -> ForwardContext:
+        """The per-call context of a forward over ``tokens_BT`` (embedding included)."""
         cfg = self.cfg
         B, T = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         rope = rope_cos_sin(positions_BT, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
-        embed_BTD = self.embed(tokens_BT)
-        kwargs = dict(segment_ids_BT=segment_ids_BT, token_ids_BT=tokens_BT, embed_BTD=embed_BTD)
+        return ForwardContext(positions_BT=positions_BT, rope=rope, token_ids_BT=tokens_BT,
+                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, taps=taps)
 
-        def run_block(graphdef, state, x, layer_cache):
-            block = nnx.merge(graphdef, state)
-            return block(x, positions_BT, rope, cache=layer_cache, **kwargs)
+    def run(self, tokens_BT, positions_BT=None, *, cache: Any = None, segment_ids_BT=None, taps: Taps = NO_TAPS):
+        """(final-normed hidden [B, T, D], cache, aux losses, intermediates {tap: [L, ...]})."""
+        cfg = self.cfg
+        ctx = self.context(tokens_BT, positions_BT, segment_ids_BT=segment_ids_BT, taps=taps)
 
-        if cfg.remat != "none":
-            run_block = jax.checkpoint(run_block, policy=_remat_policy(cfg.remat), static_argnums=(0,))
+        def run_block(graphdef, state, x, layer_cache, layer):
+            layer_ctx = ctx.for_layer(layer)
+            x, layer_cache, aux = nnx.merge(graphdef, state)(x, layer_ctx, cache=layer_cache)
+            return x, layer_cache, aux, layer_ctx.captured
 
-        x = embed_BTD
-        # A cache may hold state shared by all layers (no layer axis; CateKV's packed head pools):
-        # ``split_shared() -> (per-layer part, shared)``, ``join_shared(shared)``. It rides along
-        # with the activations through the layers; every other cache is sliced per layer as before.
-        shared = None
-        if cache is not None and hasattr(cache, "split_shared"):
-            cache, shared = cache.split_shared()
-        join = (lambda c, sh: c) if shared is None else (lambda c, sh: c.join_shared(sh))
-        split = (lambda c: (c, None)) if shared is None else (lambda c: c.split_shared())
+        def checkpointed(fn):
+            if cfg.remat == "none":
+                return fn
+            return jax.checkpoint(fn, policy=_remat_policy(cfg.remat), static_argnums=(0,))
+
+        x = ctx.embed_BTD
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
+            per_layer, shared = (None, None) if cache is None else cache.split_shared()
+            step = checkpointed(run_block)
 
             def body(carry, xs):
                 x, shared = carry
-                layer_state, layer_cache = xs
-                x, layer_cache, aux = run_block(graphdef, layer_state, x, join(layer_cache, shared))
-                layer_cache, shared = split(layer_cache)
-                return (x, shared), (layer_cache, aux)
+                layer_state, layer_cache, layer = xs
+                if layer_cache is not None:
+                    layer_cache = layer_cache.join_shared(shared)
+                x, layer_cache, aux, captured = step(graphdef, layer_state, x, layer_cache, layer)
+                if layer_cache is not None:
+                    layer_cache, shared = layer_cache.split_shared()
+                return (x, shared), (layer_cache, aux, captured)
 
-            (x, shared), (cache, aux_L) = jax.lax.scan(body, (x, shared), (state, cache))
+            layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+            (x, shared), (per_layer, aux_L, inter) = jax.lax.scan(body, (x, shared), (state, per_layer, layers))
+            cache = None if cache is None else per_layer.join_shared(shared)
             aux = jax.tree.map(jnp.sum, aux_L)
         else:
-            aux = {}
+            aux, captured_L = {}, []
             for i, block in enumerate(self.layers):
-                layer_cache = None if cache is None else join(jax.tree.map(lambda a: a[i], cache), shared)
                 graphdef, state = nnx.split(block)
-                x, layer_cache, block_aux = run_block(graphdef, state, x, layer_cache)
+                step = checkpointed(lambda g, s, x, c, i=i: run_block(g, s, x, c, i))
+                layer_cache = None if cache is None else cache.layer(i)
+                x, layer_cache, block_aux, captured = step(graphdef, state, x, layer_cache)
                 if cache is not None:
-                    layer_cache, shared = split(layer_cache)
-                    cache = jax.tree.map(lambda a, n: a.at[i].set(n), cache, layer_cache)
+                    cache = cache.with_layer(i, layer_cache)
                 for k, v in block_aux.items():
                     aux[k] = aux.get(k, 0.0) + v
-        if shared is not None:
-            cache = cache.join_shared(shared)
-        x = self.final_norm(x)
-        if return_hidden:
-            return x, cache, aux
-        return self.head(x), cache, aux
+                captured_L.append(captured)
+            inter = {k: jnp.stack([c[k] for c in captured_L]) for k in (captured_L[0] if captured_L else {})}
+        return self.final_norm(x), cache, aux, inter
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: Optional[jax.Array] = None, *, cache: Any = None,
+                 segment_ids_BT: Optional[jax.Array] = None, return_hidden: bool = False):
+        """(logits float32 [B, T, V] — or the final-normed hidden states —, cache, aux losses)."""
+        h, cache, aux, _ = self.run(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
+        return (h if return_hidden else self.head(h)), cache, aux
 
     def head(self, h_BTD: jax.Array) -> jax.Array:
         """float32 logits from final-normed hidden states (tied: embedding transpose)."""
@@ -146,3 +153,10 @@ def forward(graphdef, state, tokens_BT, positions_BT=None, *, cache=None, segmen
     """Pure forward over split state: (logits float32 [B,T,V], cache, aux losses)."""
     model = nnx.merge(graphdef, state)
     return model(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
+
+
+def capture(graphdef, state, tokens_BT, taps: Taps, positions_BT=None, *, segment_ids_BT=None):
+    """Pure forward that also returns the tapped activations: (logits [B,T,V], {tap: [L, ...]})."""
+    model = nnx.merge(graphdef, state)
+    h, _, _, inter = model.run(tokens_BT, positions_BT, segment_ids_BT=segment_ids_BT, taps=taps)
+    return model.head(h), inter

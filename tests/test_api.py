@@ -100,7 +100,7 @@ def test_mole_lut_serving_api_and_cli(tiny_hf, tmp_path, capsys):
 
     tokenizer = pallasite.load(tiny_hf[1]).tokenizer
     cfg = pallasite.load(tiny_hf[1]).config.replace(
-        ffn="mole", hidden_act="gelu_exact", mole=MoLEConfig(n_experts=4, lut_dtype="float32"))
+        ffn="mole", hidden_act="gelu_exact", ffn_config=MoLEConfig(n_experts=4, lut_dtype="float32"))
     g, s = nnx.split(init_model(cfg, seed=0))
     trained = pallasite.Model(cfg, s, tokenizer, g)
     folder = trained.save(str(tmp_path / "mole"), format="orbax")

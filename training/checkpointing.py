@@ -57,9 +57,6 @@ class Checkpointer:
         _check_shapes(abstract_state, out["state"])
         return out["state"], dict(out["data"]), dict(out["config"])
 
-    def restore_config(self, step: int) -> dict:
-        return dict(self.manager.restore(int(step), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
-
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -34,12 +34,15 @@ import numpy as np
 from flax import nnx
 
 from pallasite import sharding as shd
-from pallasite.configs import ConfigDict, to_json_dict
-from pallasite.configs.models import to_model_config
+from pallasite.inference.engine import generate_ids
+from pallasite.models.config import model_config_from
 from pallasite.models.tokenizer import load_tokenizer, train_bpe
+from pallasite.ops.common import round_up
+from pallasite.registry import LOSS
 from pallasite.training import data as data_lib
 from pallasite.training import step as step_lib
 from pallasite.training.checkpointing import Checkpointer
+from pallasite.training.config import ConfigDict, to_json_dict
 from pallasite.training.metrics import MetricsWriter
 from pallasite.training.optim import make_optimizer
 
@@ -53,10 +56,6 @@ def _log(msg: str) -> None:
         tqdm.write(f"[train] {msg}", file=sys.stderr)
     except ImportError:  # pragma: no cover
         print(f"[train] {msg}", file=sys.stderr, flush=True)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
@@ -87,8 +86,8 @@ def model_config_for(config: ConfigDict, tokenizer):
     """ModelConfig from ``config.model`` with vocab (0 = tokenizer size rounded up to 64) and
     special-token ids filled from the tokenizer."""
     n_tok = len(tokenizer)
-    vocab = int(config.model.vocab_size) or _round_up(n_tok, 64)
-    cfg = to_model_config(config.model, vocab_size=vocab)
+    vocab = int(config.model.vocab_size) or round_up(n_tok, 64)
+    cfg = model_config_from(config.model, vocab_size=vocab)
     if cfg.vocab_size < n_tok:
         raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
     fill = {}
@@ -117,18 +116,13 @@ def evaluate(eval_fn, state: dict, batches, batch_shardings) -> dict:
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
 
 
-def sample(cfg, graphdef, state: dict, tokenizer, prompt: str, max_new_tokens: int) -> Optional[str]:
-    """Greedy completion of ``prompt`` with the inference engine (None when it is unavailable)."""
-    try:
-        from pallasite.inference.engine import generate_ids
-    except ImportError as e:
-        _log(f"sample skipped: pallasite.inference.engine is not available ({e})")
-        return None
+def sample(cfg, graphdef, state: dict, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy completion of ``prompt`` with the inference engine."""
     model = nnx.merge(graphdef, state["params"], state["other"])
     g, s = nnx.split(model)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     stop = () if cfg.eos_token_id is None else tuple(cfg.eos_token_id)
-    out = generate_ids(g, s, cfg, [ids], max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=stop)[0]
+    out = generate_ids(g, s, cfg, [ids], max_new_tokens=max_new_tokens, stop_tokens=stop)[0]
     return prompt + tokenizer.decode([t for t in out if t not in stop])
 
 
@@ -183,10 +177,14 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}")
 
-    train_step = step_lib.make_train_step(graphdef, optimizer, schedule, shardings, mesh, rules, B,
-                                          grad_accum=tc.grad_accum, loss_chunk=tc.loss_chunk)
-    eval_fn = step_lib.make_eval_step(graphdef, shardings, mesh, rules, B, loss_chunk=tc.loss_chunk)
-    batch_sh = step_lib.batch_shardings(mesh, rules, B)
+    loss = LOSS.get(tc.loss, field="config.train.loss")
+    loss_config = LOSS.make_config(tc.loss, tc.loss_config.to_dict() if hasattr(tc.loss_config, "to_dict")
+                                   else tc.loss_config, field="config.train.loss_config")
+    train_step = step_lib.make_train_step(graphdef, optimizer, schedule, shardings, mesh, rules, B, loss=loss,
+                                          loss_config=loss_config, grad_accum=tc.grad_accum, loss_chunk=tc.loss_chunk)
+    eval_fn = step_lib.make_eval_step(graphdef, shardings, mesh, rules, B, loss=loss, loss_config=loss_config,
+                                      loss_chunk=tc.loss_chunk)
+    batch_sh = step_lib.batch_shardings(mesh, rules, B, loss.batch_keys)
     it = train_ds.iterator(data_state)
 
     start = int(jax.device_get(state["step"]))

@@ -156,9 +156,9 @@ class QuantizedModel:
         from pallasite.inference.cache.dense import init_dense_cache
         from pallasite.inference.cache.kv4 import init_kv4_cache
 
-        if self.cfg.quant.kv_bits >= 16:
+        if self.cfg.linear_config.kv_bits >= 16:
             return init_dense_cache(self.cfg, batch_size, max_len, dtype=jnp.float32)
-        return init_kv4_cache(self.cfg, batch_size, max_len, self.kv, group=self.cfg.quant.kv_group)
+        return init_kv4_cache(self.cfg, batch_size, max_len, self.kv, group=self.cfg.linear_config.kv_group)
 
 
 def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=None,
@@ -261,8 +261,8 @@ def main(argv=None):
     import json
     import time
 
-    from pallasite.benchmarks.quant_ppl import load_texts, token_streams
-    from pallasite.configs import load_config
+    from pallasite.eval.corpora import load_texts, token_streams
+    from pallasite.training.config import load_config
     from pallasite.eval.perplexity import perplexity
     from pallasite.inference.engine import generate_ids
     from pallasite.models import gguf

@@ -1,30 +1,15 @@
-"""The pure, jitted language-model train step over split NNX state.
+"""The pure, jitted train step over split NNX state, for any registered loss kind.
 
 The model is split once (``nnx.split(model, nnx.Param, ...)``) into a static ``graphdef``, the
 trainable ``params`` and any other variables; the train state is the plain pytree
-
-    {"step": int32[], "params": nnx.State, "opt_state": optax state, "other": nnx.State}
-
-and ``train_step(state, batch) -> (state, metrics)`` is one ``jax.jit`` with explicit in/out
-shardings (from the logical-axis rule table, ``sharding.state_shardings``) and the state
-donated, so parameters and Adam moments are updated in place.
-
-Loss: masked next-token cross-entropy in float32,
-``L = sum_t m_t * (logsumexp(z_t) - z_t[y_t]) / sum_t m_t``, plus the sum of the model's ``aux``
-losses (FFN auxiliary losses arrive already weighted by their coefficients). The logits are never
-materialised for the whole batch at once when ``loss_chunk > 0``: the final hidden states are
-cut into chunks of ``loss_chunk`` tokens, each chunk's logits are produced, reduced to a scalar
-and dropped, and ``jax.checkpoint`` recomputes them in the backward pass (memory O(chunk x V)
-instead of O(B x T x V)).
-
-Gradient accumulation: the batch [B, T] is viewed as A microbatches (rows ``i, A+i, 2A+i, …`` —
-each microbatch keeps the batch sharding); ``lax.scan`` sums the gradients of
-``sum_ce_i / N_total`` (N_total = masked tokens of the *whole* batch, known up front), so A
-microbatches of b rows give the same gradient as one batch of A·b rows up to float summation
-order. Aux losses are averaged over microbatches.
-
-Mixed precision: parameters are stored in ``param_dtype`` (float32) and cast to the model's
-compute ``dtype`` inside each layer; gradients, optimizer state and the loss are float32.
+``{"step", "params", "opt_state", "other"}`` and ``train_step(state, batch) -> (state, metrics)`` is
+one ``jax.jit`` with explicit in/out shardings (from the logical-axis rule table) and the state
+donated. The loss (``training/losses``, ``LOSS.get(kind)``) gives per-(micro)batch terms; gradient
+accumulation views the batch [B, ...] as A microbatches (rows ``i, A+i, 2A+i, …`` keep the batch
+sharding) and ``lax.scan`` sums the gradients of ``total_i / normalizer(whole batch)``, so A
+microbatches of b rows give the gradient of one batch of A·b rows up to float summation order; aux
+losses and extra metrics are averaged over microbatches. Parameters are stored in ``param_dtype``
+and cast to the compute dtype inside each layer; gradients, optimizer state and the loss are float32.
 """
 
 from __future__ import annotations
@@ -42,8 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallasite import sharding as shd
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import Transformer
+from pallasite.registry import LOSS
+from pallasite.training.losses import LM_BATCH_KEYS, LossKind
 
-BATCH_KEYS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
 
 
 # ----------------------------------------------------------------------------- state
@@ -101,147 +87,107 @@ def init_train_state(cfg: ModelConfig, optimizer, mesh, rules, seed: int = 0):
     return graphdef, state, shardings
 
 
-def batch_shardings(mesh, rules, batch_size: int) -> dict:
-    s = shd.batch_sharding(mesh, rules, ndim=2, batch_size=batch_size)
-    return {k: s for k in BATCH_KEYS}
+def batch_shardings(mesh, rules, batch_size: int, keys=LM_BATCH_KEYS) -> dict:
+    """The sharding of each batch array ``[B, ...]``: batch axis over the data axes (a prefix spec,
+    so arrays of any rank share it)."""
+    s = shd.batch_sharding(mesh, rules, ndim=1, batch_size=batch_size)
+    return {k: s for k in keys}
 
 
 def put_batch(batch: dict, shardings: dict) -> dict:
-    return {k: jax.device_put(np.asarray(batch[k]), shardings[k]) for k in BATCH_KEYS}
+    missing = sorted(set(shardings) - set(batch))
+    if missing:
+        raise KeyError(f"the batch lacks {missing}; the loss needs {sorted(shardings)}")
+    return {k: jax.device_put(np.asarray(batch[k]), shardings[k]) for k in shardings}
 
 
 # ----------------------------------------------------------------------------- loss
-def _head(model: Transformer):
-    """(graphdef, state, tied) of the output projection, so chunks can apply it functionally."""
-    tied = model.lm_head is None
-    g, s = nnx.split(model.embed if tied else model.lm_head)
-    return g, s, tied
-
-
-def _apply_head(g, s, tied, h_ND):
-    mod = nnx.merge(g, s)
-    return mod.attend(h_ND) if tied else mod(h_ND)
-
-
-def cross_entropy_sum(model: Transformer, hidden_BTD, targets_BT, mask_BT, chunk: int = 0):
-    """sum_t m_t * CE_t in float32 (and sum_t m_t), over the vocab chunk by chunk when chunk > 0."""
-    B, T, D = hidden_BTD.shape
-    g, s, tied = _head(model)
-    h_ND = hidden_BTD.reshape(B * T, D)
-    y_N = targets_BT.reshape(B * T)
-    m_N = mask_BT.reshape(B * T).astype(jnp.float32)
-
-    def chunk_ce(s, h, y, m):
-        logits = _apply_head(g, s, tied, h).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
-        return jnp.sum(m * (lse - picked))
-
-    N = B * T
-    if chunk <= 0 or chunk >= N:
-        return chunk_ce(s, h_ND, y_N, m_N), jnp.sum(m_N)
-    pad = (-N) % chunk
-    if pad:  # padded tokens carry mask 0
-        h_ND = jnp.concatenate([h_ND, jnp.zeros((pad, D), h_ND.dtype)])
-        y_N = jnp.concatenate([y_N, jnp.zeros((pad,), y_N.dtype)])
-        m_N = jnp.concatenate([m_N, jnp.zeros((pad,), m_N.dtype)])
-    C = (N + pad) // chunk
-    ce_chunk = jax.checkpoint(chunk_ce)  # recompute each chunk's logits in the backward pass
-
-    def body(total, xs):
-        h, y, m = xs
-        return total + ce_chunk(s, h, y, m), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (h_ND.reshape(C, chunk, D), y_N.reshape(C, chunk), m_N.reshape(C, chunk)))
-    return total, jnp.sum(m_N)
-
-
-def lm_loss(graphdef, params, other, batch: dict, *, loss_chunk: int = 0, normalizer=None, aux_weight: float = 1.0):
-    """(loss to differentiate, (ce_sum, token_count, aux dict));
-    loss = ce_sum / normalizer + aux_weight * sum(aux)."""
+def loss_value(graphdef, params, other, batch: dict, *, loss: LossKind, loss_config=None, chunk: int = 0,
+               normalizer=None, aux_weight: float = 1.0):
+    """(value to differentiate, LossTerms): ``total / normalizer + aux_weight · Σ aux``."""
     model = nnx.merge(graphdef, params, other)
-    hidden, _, aux = model(batch["tokens"], batch["positions"], segment_ids_BT=batch["segment_ids"],
-                           return_hidden=True)
-    ce_sum, count = cross_entropy_sum(model, hidden, batch["targets"], batch["loss_mask"], loss_chunk)
-    denom = jnp.maximum(count if normalizer is None else normalizer, 1.0)
-    aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
-    loss = ce_sum / denom + aux_weight * sum(aux.values(), jnp.zeros((), jnp.float32))
-    return loss, (ce_sum, count, aux)
+    terms = loss.terms(model, batch, loss_config, chunk)
+    denom = jnp.maximum(terms.count if normalizer is None else normalizer, 1.0)
+    value = terms.total / denom + aux_weight * sum(terms.aux.values(), jnp.zeros((), jnp.float32))
+    return value, terms
 
 
 # ----------------------------------------------------------------------------- step
-def train_step(state: dict, batch: dict, *, graphdef, optimizer, schedule: Callable, grad_accum: int = 1,
-               loss_chunk: int = 0):
-    """One optimizer update (pure). Metrics: loss (masked CE), aux losses, total_loss, grad_norm,
-    lr, tokens."""
+def train_step(state: dict, batch: dict, *, graphdef, optimizer, schedule: Callable, loss: LossKind,
+               loss_config=None, grad_accum: int = 1, loss_chunk: int = 0):
+    """One optimizer update (pure). Metrics: loss, aux losses, extra loss metrics, total_loss,
+    grad_norm, lr, tokens (the loss's count)."""
     params, other = state["params"], state["other"]
-    grad_fn = jax.value_and_grad(lm_loss, argnums=1, has_aux=True)
-    total_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    grad_fn = jax.value_and_grad(loss_value, argnums=1, has_aux=True)
+    kw = dict(loss=loss, loss_config=loss_config, chunk=loss_chunk, normalizer=loss.normalizer(batch))
 
     if grad_accum <= 1:
-        (_, (ce_sum, count, aux)), grads = grad_fn(graphdef, params, other, batch, loss_chunk=loss_chunk,
-                                                   normalizer=total_tokens)
+        (_, terms), grads = grad_fn(graphdef, params, other, batch, **kw)
+        total, count, aux, extra = terms.total, terms.count, terms.aux, terms.metrics
     else:
         A = grad_accum
-        B = batch["tokens"].shape[0]
+        B = batch[loss.batch_keys[0]].shape[0]
         if B % A:
             raise ValueError(f"train.grad_accum={A} must divide the batch size {B}")
         micro = {k: v.reshape(B // A, A, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
 
         def body(carry, mb):
-            g_acc, ce_acc, n_acc, aux_acc = carry
-            (_, (ce, n, aux)), g = grad_fn(graphdef, params, other, mb, loss_chunk=loss_chunk,
-                                           normalizer=total_tokens, aux_weight=1.0 / A)
+            g_acc, t_acc, n_acc, aux_acc, m_acc = carry
             # aux losses are per-microbatch means: weight 1/A so the sum is their average;
-            # the CE part is already normalised by the whole batch's token count.
+            # the loss itself is already normalised by the whole batch's normalizer.
+            (_, terms), g = grad_fn(graphdef, params, other, mb, aux_weight=1.0 / A, **kw)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
-            aux_acc = {k: aux_acc[k] + aux[k] / A for k in aux_acc}
-            return (g_acc, ce_acc + ce, n_acc + n, aux_acc), None
+            aux_acc = {k: aux_acc[k] + terms.aux[k] / A for k in aux_acc}
+            m_acc = {k: m_acc[k] + terms.metrics[k] / A for k in m_acc}
+            return (g_acc, t_acc + terms.total, n_acc + terms.count, aux_acc, m_acc), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        # aux keys come from one abstract evaluation of the loss (no compute)
-        _, (_, _, aux_shape) = jax.eval_shape(
-            functools.partial(lm_loss, loss_chunk=loss_chunk), graphdef, params, other,
-            jax.tree.map(lambda v: v[0], micro))
-        aux0 = {k: jnp.zeros((), jnp.float32) for k in aux_shape}
-        (grads, ce_sum, count, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), jnp.zeros(()), aux0), micro)
+        # aux / metric keys come from one abstract evaluation of the loss (no compute)
+        _, shape = jax.eval_shape(functools.partial(loss_value, **kw), graphdef, params, other,
+                                  jax.tree.map(lambda v: v[0], micro))
+        zero = lambda d: {k: jnp.zeros((), jnp.float32) for k in d}  # noqa: E731
+        init = (zeros, jnp.zeros(()), jnp.zeros(()), zero(shape.aux), zero(shape.metrics))
+        (grads, total, count, aux, extra), _ = jax.lax.scan(body, init, micro)
 
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    loss = ce_sum / jnp.maximum(count, 1.0)
-    metrics = {"loss": loss, "total_loss": loss + sum(aux.values(), jnp.zeros(())), "grad_norm": grad_norm,
+    value = total / jnp.maximum(count, 1.0)
+    metrics = {"loss": value, "total_loss": value + sum(aux.values(), jnp.zeros(())), "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "tokens": count}
     metrics.update({f"aux/{k}": v for k, v in aux.items()})
+    metrics.update({f"loss/{k}": v for k, v in extra.items()})
     new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "other": other}
     return new_state, metrics
 
 
 def make_train_step(graphdef, optimizer, schedule, shardings: dict, mesh, rules, batch_size: int, *,
-                    grad_accum: int = 1, loss_chunk: int = 0):
+                    loss: Optional[LossKind] = None, loss_config=None, grad_accum: int = 1, loss_chunk: int = 0):
     """Jitted ``step(state, batch_on_device) -> (state, metrics)`` with the state donated.
 
     Call it inside ``jax.set_mesh(mesh)`` (MoE layers look the mesh up for ``shard_map``)."""
-    fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                           grad_accum=grad_accum, loss_chunk=loss_chunk)
+    loss = loss or LOSS.get("lm")
+    fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, loss=loss,
+                           loss_config=loss_config, grad_accum=grad_accum, loss_chunk=loss_chunk)
     replicated = NamedSharding(mesh, P())
-    return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, rules, batch_size)),
+    return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, rules, batch_size, loss.batch_keys)),
                    out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(graphdef, shardings: dict, mesh, rules, batch_size: int, *, loss_chunk: int = 0):
-    """Jitted ``eval(params, other, batch) -> (ce_sum, token_count)`` (no gradients)."""
+def make_eval_step(graphdef, shardings: dict, mesh, rules, batch_size: int, *, loss: Optional[LossKind] = None,
+                   loss_config=None, loss_chunk: int = 0):
+    """Jitted ``eval(params, other, batch) -> (total, count)`` (no gradients)."""
+    loss = loss or LOSS.get("lm")
 
     def fn(params, other, batch):
-        _, (ce_sum, count, _) = lm_loss(graphdef, params, other, batch, loss_chunk=loss_chunk)
-        return ce_sum, count
+        _, terms = loss_value(graphdef, params, other, batch, loss=loss, loss_config=loss_config, chunk=loss_chunk)
+        return terms.total, terms.count
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(fn, in_shardings=(shardings["params"], shardings["other"], batch_shardings(mesh, rules, batch_size)),
+    return jax.jit(fn, in_shardings=(shardings["params"], shardings["other"],
+                                     batch_shardings(mesh, rules, batch_size, loss.batch_keys)),
                    out_shardings=(replicated, replicated))
 
 
 __all__ = ["split_model", "init_train_state", "abstract_train_state", "attach_shardings", "state_shardings",
-           "batch_shardings", "put_batch", "cross_entropy_sum", "lm_loss", "train_step", "make_train_step",
-           "make_eval_step", "BATCH_KEYS"]
+           "batch_shardings", "put_batch", "loss_value", "train_step", "make_train_step", "make_eval_step"]

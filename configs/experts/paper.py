@@ -31,7 +31,9 @@ iterations, Adam(0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 (160M) / 3e-4 (
 
 from __future__ import annotations
 
-from pallasite.configs import models, parse_arg, train_defaults
+from pallasite.configs import models
+from pallasite.models.config import model_config_from
+from pallasite.training.config import parse_arg, train_defaults
 from pallasite.models.mole import expert_variant_fields as ffn_fields  # noqa: F401  (re-exported)
 
 SIZES = {
@@ -56,7 +58,7 @@ def model(size: str, kind: str, *, vocab_size: int = 50304, moe_width: str = "eq
 
 
 def _validated(d: dict) -> dict:
-    full = models.to_model_config(d).to_dict()
+    full = model_config_from(d).to_dict()
     full["vocab_size"] = d["vocab_size"]
     return full
 

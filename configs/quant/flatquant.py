@@ -8,7 +8,7 @@
 eval windows of 2048), plus ``key=value`` pairs (e.g. ``quick,method=rtn``).
 """
 
-from pallasite.configs import ConfigDict, parse_arg
+from pallasite.training.config import ConfigDict, parse_arg
 
 
 def get_config(arg=None) -> ConfigDict:

@@ -1,86 +1,21 @@
-"""CateKV hybrid KV cache (Jiang et al., "CateKV: On Sequential Consistency for Long-Context LLM
-Inference Acceleration", ICML 2025; official code github.com/jhy-123/CateKV, ``models/kv_cache.py``
-``CateKVCache`` / ``CateKV_dynamic_Cache`` and ``select_headmask/static.py``).
+"""CateKV hybrid KV cache (Jiang et al., ICML 2025; official ``CateKVCache``): adaptive heads keep
+every token, consistent heads keep the tokens ``catekv_select.kept_indices`` chose once at prefill
+(never refreshed); every decoded token is appended to both parts. Decode attends each part
+separately (the Pallas decode kernel reads only the kept entries) and scatters head outputs back.
 
-Idea: for some KV heads ("consistent") the tokens that matter to the last prompt queries are the
-same few chunks — those heads can keep a small budget B of tokens chosen once after prefill; the
-others ("adaptive") keep the full cache. Heads are classified offline by the coefficient of
-variation of per-chunk critical counts; the adaptive fraction r is a fraction of heads.
-
-What this module implements, following the official code (names in brackets are theirs):
-
-* **Geometry** for a prompt of N tokens, chunk size C = 8 [chunk_size], init = 64
-  [init_tokens], recent = 256 [recent_tokens]: ``chunk_end = C·(⌊N/C⌋ − 32/C)`` (the last ≥ 32
-  tokens are never chunked), middle keys ``[init, chunk_end − recent)`` in whole chunks.
-* **Middle attention** of the last 64 queries [last_q]: ``A = softmax(q kᵀ/√d)`` over the middle
-  keys *only*, averaged over the query heads of each GQA group -> ``A_h ∈ [64, n_mid]``.
-* **Classification** (``classify_heads``, [CateKV_dynamic_Cache.prefill_kv_cache]): per KV head
-  ``τ = v_lo + κ (v_hi − v_lo)`` with ``v_lo, v_hi`` the ``1−β`` and ``β`` quantiles of A_h
-  (linear interpolation, as ``torch.quantile``), clamped at 1e-9; ``s_c = #{q : max_{t∈c} A(q,t) >
-  τ}`` per middle chunk; ``CV = std(s)/mean(s)`` with the unbiased std (torch default) and mean 0
-  replaced by 1e-10. Defaults κ = 1.0 [top_threshold], β = 0.995 [top_fraction] are
-  ``test/eval_acc.py``'s argparse defaults; ``run_headmask.sh`` sweeps κ ∈ {0.984 … 0.998} × β ∈
-  {1.0, 0.8}. High CV = consistent, low CV = adaptive.
-* **Offline mask** (``calibrate_head_mask``, [static.py]): per calibration sample mark the heads
-  with ``CV <= quantile(CV, r)``; sum over samples; keep the ``⌈r·L·K⌉`` most-marked heads as
-  adaptive (1 = adaptive, as in the shipped ``head_type_p{100r}.csv``). Deviation: static.py keeps
-  every head tied with the cut-off count (``>=``), which can exceed ``⌈r·L·K⌉``; we break ties by
-  the mean CV (lower = adaptive) so the count — and so the memory — is exactly ``⌈r·L·K⌉``.
-* **Hybrid cache** ([CateKVCache.prefill_kv_cache / update_kv_cache / collect_kv], with
-  full_fraction = 1.0 as in ``run_catekv.sh``): adaptive heads keep every token; consistent heads
-  keep init + the top ``(B − init − recent)/C`` middle chunks by ``Σ_q max_{t∈chunk} A(q,t)`` (no
-  threshold) + ``[chunk_end − recent, N)`` — B plus the 32..39-token unchunked tail. The
-  selection happens once, inside the prefill call, and is never refreshed. Every decoded token is
-  appended to both parts. Decode attends each part separately (Pallas ``decode_attention`` with
-  ``impl="pallas"``: the sparse part reads only its kept entries) and scatters the head outputs
-  back into head order.
-
-Layout — ragged per layer, packed across layers. The paper's mask is *global* (the top fraction
-r of all L×K heads), so layer l has its own a_l adaptive and c_l = K − a_l consistent heads. A
-layout with one [L, ...] array per part must give every layer max_l a_l full slots and max_l c_l
-sparse slots; on a model with few KV heads that padding eats the saving (SmolLM2, K = 3, global
-mask at r = 0.4: full÷hybrid 0.68 at 1088 tokens, i.e. *more* memory than the dense cache). So
-the KV lives in two **pools shared by all layers**, one slot per head, no padding::
-
-    k_full, v_full      [B, S, NA, D]   NA = Σ_l a_l adaptive heads, slot = position (dense convention)
-    k_sparse, v_sparse  [B, P, NC, D]   NC = Σ_l c_l consistent heads, kept entries compacted to the front
-    full_heads          [L, A] int32    KV head of each slot of the layer's window (K = not this layer's)
-    sparse_heads        [L, C] int32    (A = max_l a_l, C = max_l c_l)
-    full_base           [L] int32       first pool slot of the layer's adaptive heads (static table)
-    sparse_base         [L] int32
-    sparse_offset       [L, B] int32    sparse slot of the token at position p is p + offset
-    prompt_len          [L, B] int32    prompt length per row (-1: last prefill position + 1)
-    cv                  [L, B, K] f32   the CV of every head, measured at prefill
-
-KV bytes = 2·B·D·bytes·Σ_l (a_l·S + c_l·P) exactly (``memory_report``), plus the small tables.
-How a layer finds its heads: layer l reads a **fixed-size window** of A (resp. C) consecutive
-pool slots starting at its base (``lax.dynamic_slice``: static shapes, so the model's
-``lax.scan`` over layers and the Pallas decode kernel see the same shapes at every layer). Its
-own a_l heads are the first slots of the window; the rest belong to neighbouring layers — they
-are never written (writes scatter to the layer's own slots only) and their outputs are dropped
-when heads are scattered back. ``pool_offsets`` places layers in ascending order of their count
-so every window fits inside the pool without a tail pad. Why this design rather than per-head-slot
-budgets inside per-layer arrays: with a leading layer axis every layer's slice has the same
-size, so no per-layer arrangement can be ragged; the pools must be shared. They travel through
-the layers beside the activations (``split_shared`` / ``join_shared``; ``models.transformer``
-carries them in its scan carry; ``cache.layer(i)`` is one layer's view). Cost: each layer computes
-attention for A (resp. C) window slots, so decode *compute* is padded to the per-layer maximum
-even though *memory* is not (equal per-layer counts — e.g. ``calibrate_head_mask(per_layer=True)``
-or r·K whole — waste nothing).
-
-Calls: a call with T > 1 tokens is the prefill (positions 0..T-1, one call for the whole
-prompt, as the official code); T = 1 calls are decode steps. Rows of a batch may have different
-prompt lengths (right padding) when ``prompt_len`` is set (``init_catekv_cache(prompt_lengths=)`` or
-``with_prompt_lengths``, which ``inference.engine`` calls before its prefill).
-Sliding-window models are rejected (CateKV targets full-attention models).
+The paper's mask is global (the top fraction r of all L×K heads), so layers hold different numbers
+of adaptive heads. The KV lives in two pools shared by all layers, one slot per head, no padding:
+``k_full, v_full [B, S, NA, D]`` (NA = Σ_l a_l) and ``k_sparse, v_sparse [B, P, NC, D]``
+(kept entries compacted to the front); layer l reads a fixed-size window of max_l a_l (resp. c_l)
+pool slots from its base (static shapes for ``lax.scan`` and the kernel; other layers' slots are
+never written and their outputs dropped). The pools ride along the layers (``split_shared``).
+KV bytes = 2·B·D·bytes·Σ_l (a_l·S + c_l·P) (``memory_report``); docs/attention.md has the design
+notes and measurements. A call with T > 1 tokens is the prefill; sliding-window models are rejected.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import math
 import os
 from typing import Optional
 
@@ -89,221 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallasite.ops.attention import attention
-
-_MASK_FORMAT = "pallasite.catekv.head_mask/v1"
-
-
-@dataclasses.dataclass(frozen=True)
-class CateKVConfig:
-    budget: int = 2048  # B: tokens kept per consistent head (plus the unchunked tail)
-    init_tokens: int = 64
-    recent_tokens: int = 256
-    chunk_size: int = 8
-    last_q: int = 64
-    tail_tokens: int = 32  # the last >= 32 tokens are never chunked
-    top_threshold: float = 1.0  # κ
-    top_fraction: float = 0.995  # β
-    adaptive_ratio: float = 0.4  # r: fraction of KV heads that are adaptive
-    selection: str = "catekv"  # catekv | recent (StreamingLLM-style baseline: newest middle chunks)
-
-    def __post_init__(self):
-        C = self.chunk_size
-        for name in ("init_tokens", "recent_tokens", "tail_tokens"):
-            if getattr(self, name) % C:
-                raise ValueError(f"CateKVConfig: {name}={getattr(self, name)} must be a multiple of chunk_size={C}")
-        spare = self.budget - self.init_tokens - self.recent_tokens
-        if spare < 0 or spare % C:
-            raise ValueError(
-                f"CateKVConfig: budget={self.budget} must be init_tokens ({self.init_tokens}) + recent_tokens "
-                f"({self.recent_tokens}) + a whole number of chunks of {C}; got {spare} tokens left for chunks")
-        if not 0.0 <= self.adaptive_ratio <= 1.0:
-            raise ValueError(f"CateKVConfig: adaptive_ratio={self.adaptive_ratio} must be in [0, 1]")
-        if self.selection not in ("catekv", "recent"):
-            raise ValueError(f"CateKVConfig: selection={self.selection!r}; expected 'catekv' or 'recent'")
-
-    @property
-    def select_chunks(self) -> int:
-        return (self.budget - self.init_tokens - self.recent_tokens) // self.chunk_size
-
-    @property
-    def kept_max(self) -> int:
-        """Most entries a consistent head keeps after prefill: B + the longest unchunked tail."""
-        return self.budget + self.tail_tokens + self.chunk_size - 1
-
-
-# ----------------------------------------------------------------------------- pure functions
-def chunk_geometry(lengths_B, cfg: CateKVConfig):
-    """(chunk_end, middle_end, n_middle_chunks) per row, as in the official prefill."""
-    C = cfg.chunk_size
-    n_chunks = lengths_B // C - cfg.tail_tokens // C
-    chunk_end = n_chunks * C
-    mid_end = chunk_end - cfg.recent_tokens
-    n_mid = jnp.maximum((mid_end - cfg.init_tokens) // C, 0)
-    return chunk_end, mid_end, n_mid
-
-
-def middle_attention(q_last_BQHD, k_BSKD, lengths_B, cfg: CateKVConfig):
-    """Softmax of the last queries over the middle keys only, GQA-averaged.
-
-    Returns ``A_BKQM`` (float32, M = n_slots·C covering positions init..init+M, zeros outside
-    each row's middle) and ``valid_BM``. q_last: the queries at positions N-Q..N-1 of each row.
-    """
-    B, Q, H, D = q_last_BQHD.shape
-    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-    G = H // K
-    C, init = cfg.chunk_size, cfg.init_tokens
-    n_slots = max((S - init) // C, 0)
-    M = n_slots * C
-    k_mid = k_BSKD[:, init:init + M]
-    _, mid_end, _ = chunk_geometry(lengths_B, cfg)
-    valid_BM = (init + jnp.arange(M))[None, :] < mid_end[:, None]
-    q = q_last_BQHD.reshape(B, Q, K, G, D).astype(jnp.float32)
-    logits = jnp.einsum("bqkgd,bmkd->bkgqm", q, k_mid.astype(jnp.float32)) * (D ** -0.5)
-    logits = jnp.where(valid_BM[:, None, None, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    return jnp.mean(p, axis=2), valid_BM
-
-
-def _chunk_view(A_BKQM, cfg):
-    B, K, Q, M = A_BKQM.shape
-    return jnp.max(A_BKQM.reshape(B, K, Q, M // cfg.chunk_size, cfg.chunk_size), axis=-1)  # [B,K,Q,n_slots]
-
-
-def classify_heads(A_BKQM, valid_BM, cfg: CateKVConfig):
-    """Coefficient of variation of per-chunk critical-query counts, per (row, KV head) -> [B, K].
-
-    Also returns the counts ``s_BKN`` (chunks outside the middle are 0)."""
-    B, K, Q, M = A_BKQM.shape
-    C = cfg.chunk_size
-    flat = jnp.where(valid_BM[:, None, None, :], A_BKQM, jnp.nan).reshape(B, K, Q * M)
-    v_lo = jnp.nanquantile(flat, 1.0 - cfg.top_fraction, axis=-1)
-    v_hi = jnp.nanquantile(flat, cfg.top_fraction, axis=-1)
-    tau = jnp.maximum(v_lo + cfg.top_threshold * (v_hi - v_lo), 1e-9)  # [B, K]
-    chunk_valid_BN = valid_BM.reshape(B, M // C, C)[..., -1]  # whole chunks only
-    hit = _chunk_view(A_BKQM, cfg) > tau[:, :, None, None]
-    counts = jnp.sum(hit, axis=2).astype(jnp.float32) * chunk_valid_BN[:, None, :]
-    n = jnp.sum(chunk_valid_BN, axis=-1).astype(jnp.float32)[:, None]  # [B, 1]
-    mean = jnp.sum(counts, axis=-1) / n
-    var = jnp.sum(jnp.where(chunk_valid_BN[:, None, :], (counts - mean[..., None]) ** 2, 0.0), axis=-1) / (n - 1)
-    mean = jnp.where(mean == 0, 1e-10, mean)
-    return jnp.sqrt(var) / mean, counts
-
-
-def chunk_scores(A_BKQM, valid_BM, cfg: CateKVConfig):
-    """Selection score of each middle chunk, ``Σ_q max_{t∈chunk} A(q,t)`` (-inf outside the middle)."""
-    B, K, Q, M = A_BKQM.shape
-    chunk_valid_BN = valid_BM.reshape(B, M // cfg.chunk_size, cfg.chunk_size)[..., -1]
-    s = jnp.sum(_chunk_view(A_BKQM, cfg), axis=2)
-    if cfg.selection == "recent":  # StreamingLLM-style baseline: the newest middle chunks win
-        s = jnp.broadcast_to(jnp.arange(s.shape[-1], dtype=jnp.float32), s.shape)
-    return jnp.where(chunk_valid_BN[:, None, :], s, -jnp.inf)
-
-
-def kept_indices(scores_BKN, lengths_B, cfg: CateKVConfig):
-    """Token positions a consistent head keeps: init + top chunks + [chunk_end − recent, N).
-
-    Returns ``idx_BKP`` (P = cfg.kept_max; kept positions ascending, then filler) and the
-    number of kept entries per row ``count_B``. When the middle has no more chunks than the
-    budget allows, every token is kept (B >= N is exact)."""
-    B, K, N_slots = scores_BKN.shape
-    C, init, recent = cfg.chunk_size, cfg.init_tokens, cfg.recent_tokens
-    chunk_end, _, _ = chunk_geometry(lengths_B, cfg)
-    n = lengths_B[:, None, None]
-    init_pos = jnp.broadcast_to(jnp.arange(init), (B, K, init))
-    sel = min(cfg.select_chunks, N_slots)
-    top_s, top_c = jax.lax.top_k(scores_BKN, sel)  # [B, K, sel]
-    chunk_pos = (init + top_c[..., None] * C + jnp.arange(C)).reshape(B, K, sel * C)
-    _, _, n_mid = chunk_geometry(lengths_B, cfg)
-    in_middle = (top_s > -jnp.inf) & (top_c < n_mid[:, None, None])  # never a chunk outside the middle
-    chunk_ok = jnp.repeat(in_middle, C, axis=-1)
-    n_recent = cfg.kept_max - init - cfg.select_chunks * C  # recent + longest tail
-    r_start = jnp.maximum(chunk_end - recent, init)[:, None, None]
-    recent_pos = jnp.broadcast_to(r_start + jnp.arange(n_recent), (B, K, n_recent))
-    pos = jnp.concatenate([init_pos, chunk_pos, recent_pos], axis=-1)
-    ok = jnp.concatenate([jnp.ones_like(init_pos, bool), chunk_ok, jnp.ones_like(recent_pos, bool)], axis=-1) & (pos < n)
-    big = jnp.iinfo(jnp.int32).max
-    pos = jnp.sort(jnp.where(ok, pos, big), axis=-1)  # kept positions first, ascending
-    pad = cfg.kept_max - pos.shape[-1]
-    if pad > 0:
-        pos = jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=big)
-    # same count for every (real) head of a row: init + selected whole chunks + recent region
-    count_B = (jnp.minimum(init, lengths_B) + jnp.minimum(sel, n_mid) * C
-               + jnp.clip(lengths_B - r_start[:, 0, 0], 0, n_recent)).astype(jnp.int32)
-    return jnp.where(pos == big, 0, pos).astype(jnp.int32), count_B
-
-
-# ----------------------------------------------------------------------------- head masks
-def calibrate_head_mask(cv_SLK, r: float, *, per_layer: bool = False) -> np.ndarray:
-    """Offline mask from per-sample CV matrices [samples, L, K] -> bool [L, K] (True = adaptive)."""
-    cv = np.asarray(cv_SLK, np.float64)
-    if cv.ndim != 3:
-        raise ValueError(f"calibrate_head_mask: expected CV of shape [samples, layers, kv_heads], got {cv.shape}")
-    if not 0.0 < r <= 1.0:
-        raise ValueError(f"calibrate_head_mask: r={r} must be a fraction of heads in (0, 1]")
-    S, L, K = cv.shape
-    votes = np.zeros((L, K))
-    for m in cv:  # static.py: per sample, the r-quantile lowest-CV heads
-        thr = np.nanquantile(m, r)
-        votes += np.nan_to_num(m, nan=np.inf) <= thr
-    mean_cv = np.nanmean(np.where(np.isfinite(cv), cv, np.nan), axis=0)
-    mean_cv = np.nan_to_num(mean_cv, nan=np.inf)
-    mask = np.zeros((L, K), bool)
-    if per_layer:  # round(r·K) per layer (r·K is rarely whole: SmolLM2 has K = 3)
-        n_keep = int(round(r * K))
-        for layer in range(L):
-            order = np.lexsort((mean_cv[layer], -votes[layer]))
-            mask[layer, order[:n_keep]] = True
-    else:
-        n_keep = int(math.ceil(r * L * K))
-        order = np.lexsort((mean_cv.ravel(), -votes.ravel()))  # most votes first, then lowest mean CV
-        mask.ravel()[order[:n_keep]] = True
-    return mask
-
-
-def _mask_meta(cfg) -> dict:
-    return {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "n_heads": cfg.n_heads,
-            "d_model": cfg.d_model, "head_dim": cfg.dh, "vocab_size": cfg.vocab_size}
-
-
-def save_head_mask(path: str, mask_LK, model_cfg, catekv_cfg: Optional[CateKVConfig] = None,
-                   extra: Optional[dict] = None) -> str:
-    """Write the mask as JSON (a directory gets ``catekv_head_mask.json``) with the model shape."""
-    mask = np.asarray(mask_LK).astype(bool)
-    if mask.shape != (model_cfg.n_layers, model_cfg.n_kv_heads):
-        raise ValueError(f"save_head_mask: mask shape {mask.shape} != (n_layers, n_kv_heads) = "
-                         f"{(model_cfg.n_layers, model_cfg.n_kv_heads)}")
-    if os.path.isdir(path):
-        path = os.path.join(path, "catekv_head_mask.json")
-    doc = {"format": _MASK_FORMAT, "model": _mask_meta(model_cfg), "adaptive_fraction": float(mask.mean()),
-           "mask_adaptive": mask.astype(int).tolist(),
-           "catekv": None if catekv_cfg is None else dataclasses.asdict(catekv_cfg), "extra": extra or {}}
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    return path
-
-
-def load_head_mask(path: str, model_cfg) -> np.ndarray:
-    """Read a mask written by ``save_head_mask``; a mask for another model shape fails clearly."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "catekv_head_mask.json")
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("format") != _MASK_FORMAT:
-        raise ValueError(f"load_head_mask: {path} is not a CateKV head mask (format {doc.get('format')!r}, "
-                         f"expected {_MASK_FORMAT!r})")
-    want, got = _mask_meta(model_cfg), doc["model"]
-    diff = {k: (got.get(k), want[k]) for k in want if got.get(k) != want[k]}
-    if diff:
-        raise ValueError(f"load_head_mask: {path} was calibrated for another model shape; "
-                         f"(mask, model) differ in {diff}")
-    mask = np.asarray(doc["mask_adaptive"], bool)
-    if mask.shape != (model_cfg.n_layers, model_cfg.n_kv_heads):
-        raise ValueError(f"load_head_mask: mask array in {path} has shape {mask.shape}, expected "
-                         f"{(model_cfg.n_layers, model_cfg.n_kv_heads)}")
-    return mask
+from pallasite.inference.cache.base import KVCache
+from pallasite.inference.cache.catekv_mask import load_head_mask
+from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_scores, classify_heads, kept_indices,
+                                                      middle_attention)
+from pallasite.ops.attention import attention, decode_attention
+from pallasite.ops.attention.kv_source import dense_source
+from pallasite.ops.common import round_up
+from pallasite.registry import KV_CACHE
 
 
 def head_partition(mask_LK):
@@ -338,13 +66,9 @@ def pool_offsets(counts_L) -> tuple[np.ndarray, int]:
     return base, at
 
 
-def _round_up(n: int, m: int = 128) -> int:
-    return -(-int(n) // m) * m
-
-
 # ----------------------------------------------------------------------------- the cache
 @struct.dataclass
-class CateKVCache:
+class CateKVCache(KVCache):
     k_full: Optional[jax.Array]  # [B, S, NA, D] pool of every layer's adaptive heads (None: split off)
     v_full: Optional[jax.Array]
     k_sparse: Optional[jax.Array]  # [B, P, NC, D] pool of every layer's consistent heads
@@ -366,9 +90,6 @@ class CateKVCache:
     def batch_size(self) -> int:
         return self.k_full.shape[0]
 
-    def nbytes(self) -> int:
-        return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self)))
-
     def kv_nbytes(self) -> int:
         return int(sum(a.size * a.dtype.itemsize for a in (self.k_full, self.v_full, self.k_sparse, self.v_sparse)))
 
@@ -382,16 +103,20 @@ class CateKVCache:
         k_full, v_full, k_sparse, v_sparse = pools
         return self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse)
 
-    def layer(self, i):
-        """Layer ``i``'s view (per-layer leaves sliced, pools shared) — what the model hands each layer."""
-        per_layer, pools = self.split_shared()
-        return jax.tree.map(lambda a: a[i], per_layer).join_shared(pools)
-
-    def with_layer(self, i, layer_cache):
-        """Write back a layer view (its per-layer leaves and the updated pools)."""
-        per_layer, _ = self.split_shared()
-        layer_part, pools = layer_cache.split_shared()
-        return jax.tree.map(lambda a, n: a.at[i].set(n), per_layer, layer_part).join_shared(pools)
+    @classmethod
+    def create(cls, model_cfg, batch_size: int, max_len: int, *, config: Optional[CateKVConfig] = None,
+               model=None) -> "CateKVCache":
+        """The hybrid cache for serving: the head mask comes from ``config.head_mask`` (a file written
+        by ``catekv_mask.save_head_mask``; a relative path is looked up in the model's folder)."""
+        config = config or CateKVConfig()
+        if config.head_mask is None:
+            raise ValueError("kv_cache='catekv' needs a head mask: set kv_cache_config.head_mask to the file "
+                             "written by CateKV calibration (pallasite.inference.cache.catekv_mask.save_head_mask)")
+        path = config.head_mask
+        if not os.path.isabs(path) and getattr(model, "path", None):
+            path = os.path.join(model.path, path)
+        mask = load_head_mask(path, model_cfg, adaptive_ratio=config.adaptive_ratio)
+        return init_catekv_cache(model_cfg, batch_size, max_len, mask, catekv_cfg=config)
 
     def with_prompt_lengths(self, lengths_B):
         """The cache with each row's prompt length (right-padded prompts: the prefill takes the last
@@ -474,8 +199,6 @@ class CateKVCache:
         G = H // self._K
         k_full, v_full, k_sparse, v_sparse = self.views()
         if impl == "pallas" and T == 1:
-            from pallasite.ops.attention.decode import decode_attention, dense_source
-
             pos = positions_BT[:, 0]
 
             def part(qp, kc, vc, kv_len):
@@ -564,7 +287,7 @@ def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
     sparse_base, n_sparse = pool_offsets((~mask).sum(1))
     if max_new_tokens is None:
         max_new_tokens = max(max_len - catekv_cfg.budget, 128)
-    P = _round_up(catekv_cfg.kept_max + max_new_tokens)
+    P = round_up(catekv_cfg.kept_max + max_new_tokens, 128)
     B = batch_size
     zeros = lambda s: jnp.zeros(s, dtype)
     lens = jnp.full((L, B), -1, jnp.int32) if prompt_lengths is None else jnp.broadcast_to(
@@ -576,16 +299,6 @@ def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
         full_base=jnp.asarray(full_base), sparse_base=jnp.asarray(sparse_base),
         sparse_offset=jnp.zeros((L, B), jnp.int32), prompt_len=lens, cv=jnp.zeros((L, B, K), jnp.float32),
         cfg=catekv_cfg)
-
-
-def catekv_cache_factory(head_mask_LK, catekv_cfg: CateKVConfig = CateKVConfig(), max_new_tokens: Optional[int] = None):
-    """``cache_factory(cfg, batch, max_len)`` for ``inference.engine``. Prompts may have any
-    lengths: the engine right-pads them and hands the cache each row's length
-    (``with_prompt_lengths``) before the prefill."""
-    def factory(cfg, batch_size, max_len):
-        return init_catekv_cache(cfg, batch_size, max_len, head_mask_LK, catekv_cfg=catekv_cfg,
-                                 max_new_tokens=max_new_tokens)
-    return factory
 
 
 # ----------------------------------------------------------------------------- memory accounting
@@ -616,7 +329,7 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
     full_idx, sparse_idx = head_partition(mask)
     n_adaptive, n_consistent = int(mask.sum()), int((~mask).sum())
     S = context + new_tokens
-    P = _round_up(catekv_cfg.kept_max + new_tokens)
+    P = round_up(catekv_cfg.kept_max + new_tokens, 128)
     per_token = 2 * D * dtype_bytes * batch
     full_bytes = L * K * S * per_token
     hybrid_kv = (n_adaptive * S + n_consistent * P) * per_token
@@ -631,6 +344,4 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
             "adaptive_window_per_layer": full_idx.shape[1], "consistent_window_per_layer": sparse_idx.shape[1]}
 
 
-__all__ = ["CateKVConfig", "CateKVCache", "chunk_geometry", "middle_attention", "classify_heads", "chunk_scores",
-           "kept_indices", "calibrate_head_mask", "save_head_mask", "load_head_mask", "head_partition", "pool_offsets",
-           "init_catekv_cache", "catekv_cache_factory", "memory_report"]
+KV_CACHE.register("catekv", CateKVCache, config=CateKVConfig, aliases={"r": "adaptive_ratio"})

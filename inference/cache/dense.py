@@ -1,25 +1,10 @@
-"""The dense (full) KV cache and the cache interface every cache kind implements.
+"""The dense (full) KV cache: every key and value of every position, head-major.
 
-A cache is a pytree whose array leaves carry a leading layer axis ``[L, ...]``; the model
-slices layer ``i`` with ``jax.tree.map(lambda a: a[i], cache)`` (or scans over axis 0) and
-calls ``layer_cache.update_and_attend(...)``. Cache kinds (dense, CateKV hybrid, 4-bit) differ
-only in what they store and how they attend; the model never looks inside.
-
-Slot convention: a token at position ``p`` is written to slot ``p``. Prompts are
-right-padded; pad tokens write junk into slots past their row's length, but the next decode
-step of that row writes slot ``length`` before attending to slots ``<= length``, so junk is
-always overwritten before it becomes visible (causal mask by position).
-
-Layout: ``k, v`` are head-major, ``[L, B, K, S, D]`` (KV head before slot). Attention contracts
-each (row, KV head) over its slots, so it wants ``[B, K, S, D]`` operands: the XLA reference path
-(``attention(..., kv_layout="BKSD")``, einsums ``btkgd,bksd->bkgts``) and the Pallas decode kernel
-(``ops/attention/decode.py``, a BlockSpec per (row, head) over one contiguous ``[S, D]`` slab) read
-this layout as it is. A slot-major ``[L, B, S, K, D]`` cache (this module's layout before
-2026-11-30) made XLA:CPU transpose the whole cache to head-major on every decode step — at B=8,
-4096 slots, 4 layers that transpose was 2.5-8x slower than reading the head-major cache directly —
-so a step now costs the scatter of one token's K/V (a ``[B, K, T, D]`` write) plus one read of the
-cache. Only the Pallas flash kernel (prefill, ``impl="pallas"``, T > 1) still reads slot-major;
-it gets a swapped copy (once per prefill call, not per decoded token).
+``k, v`` are ``[L, B, K, S, D]`` (KV head before slot): attention contracts each (row, KV head)
+over its slots, so both the XLA reference path (``kv_layout="BKSD"``) and the Pallas decode kernel
+(one contiguous ``[S, D]`` slab per program) read it as stored, and a decode step costs the
+scatter of one token's K/V plus one read of the cache (docs/inference.md has the measurements).
+The token at position ``p`` is written to slot ``p`` (``base.KVCache``'s slot convention).
 """
 
 from __future__ import annotations
@@ -30,12 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallasite.ops.attention import attention
+from pallasite.inference.cache.base import HeadMajorCache
+from pallasite.ops.attention import attention, decode_attention_dense
+from pallasite.registry import KV_CACHE
 
 
-def _write(cache_BKSD: jax.Array, new_BTKD: jax.Array, positions_BT: jax.Array) -> jax.Array:
-    """Scatter T new tokens per row into the head-major cache at slot = position (out-of-range
-    positions are dropped, as before)."""
+def write_head_major(cache_BKSD: jax.Array, new_BTKD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """Scatter T new tokens per row into a head-major cache at slot = position (positions past the
+    capacity are dropped)."""
     B, T, K, _ = new_BTKD.shape
     rows = jnp.arange(B)[:, None, None]
     heads = jnp.arange(K)[None, :, None]
@@ -43,55 +30,32 @@ def _write(cache_BKSD: jax.Array, new_BTKD: jax.Array, positions_BT: jax.Array) 
     return cache_BKSD.at[rows, heads, slots].set(jnp.swapaxes(new_BTKD, 1, 2).astype(cache_BKSD.dtype), mode="drop")
 
 
+@KV_CACHE.register("dense")
 @struct.dataclass
-class DenseKVCache:
-    k: jax.Array  # [L, B, K, S, D] (or [B, K, S, D] for one layer): head-major, see the module doc
+class DenseKVCache(HeadMajorCache):
+    k: jax.Array  # [L, B, K, S, D] (or [B, K, S, D] for one layer)
     v: jax.Array
 
     @property
-    def capacity(self) -> int:
-        return self.k.shape[-2]
+    def slots_leaf(self):
+        return self.k
 
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[-4]
+    @classmethod
+    def create(cls, model_cfg, batch_size: int, max_len: int, *, config=None, model=None) -> "DenseKVCache":
+        return init_dense_cache(model_cfg, batch_size, max_len)
 
-    @property
-    def n_kv_heads(self) -> int:
-        return self.k.shape[-3]
-
-    def nbytes(self) -> int:
-        return int(self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize)
-
-    def update_and_attend(
-        self,
-        q_BTHD: jax.Array,
-        k_BTKD: jax.Array,
-        v_BTKD: jax.Array,
-        positions_BT: jax.Array,
-        *,
-        sliding_window: Optional[int] = None,
-        impl: str = "ref",
-        interpret: Optional[bool] = None,
-    ):
+    def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window: Optional[int] = None,
+                          impl: str = "ref", interpret: Optional[bool] = None):
         """Write this step's keys/values at their positions, then attend. Returns (out, cache)."""
         if self.k.ndim != 4 or k_BTKD.shape[2] != self.k.shape[1] or k_BTKD.shape[3] != self.k.shape[3]:
             raise ValueError(f"DenseKVCache.update_and_attend: one layer's cache [B, K, S, D] = {self.k.shape} does not "
                              f"match the new keys [B, T, K, D] = {k_BTKD.shape}")
-        k = _write(self.k, k_BTKD, positions_BT)
-        v = _write(self.v, v_BTKD, positions_BT)
+        k = write_head_major(self.k, k_BTKD, positions_BT)
+        v = write_head_major(self.v, v_BTKD, positions_BT)
         if impl == "pallas" and q_BTHD.shape[1] == 1:
-            from pallasite.ops.attention import _PALLAS_IMPLS
-
-            if "decode" not in _PALLAS_IMPLS:
-                try:
-                    from pallasite.ops.attention import decode  # noqa: F401  (registers itself)
-                except ImportError:
-                    pass
-            if "decode" in _PALLAS_IMPLS:
-                out = _PALLAS_IMPLS["decode"](q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
-                                              interpret=interpret, kv_layout="BKSD")
-                return out, DenseKVCache(k=k, v=v)
+            out = decode_attention_dense(q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
+                                         interpret=interpret, kv_layout="BKSD")
+            return out, DenseKVCache(k=k, v=v)
         out = attention(
             q_BTHD, k.astype(q_BTHD.dtype), v.astype(q_BTHD.dtype), q_positions_BT=positions_BT,
             causal=True, sliding_window=sliding_window, impl=impl, interpret=interpret, kv_layout="BKSD",

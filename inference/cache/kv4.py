@@ -1,42 +1,51 @@
-"""4-bit KV cache (FlatQuant W4A4KV4, Sun et al. ICML 2025) behind the same per-layer
-``update_and_attend`` interface as ``inference/cache/dense.py``.
+"""4-bit KV cache (FlatQuant W4A4KV4, Sun et al. ICML 2025) behind the ``KVCache`` contract.
 
-What it stores, per layer (every leaf has a leading layer axis ``[L, ...]`` in the full cache):
-
-* keys and values as asymmetric 4-bit codes, per token and per group of ``min(128, head_dim)``
-  channels of one KV head (so "per head" for head_dim <= 128), packed two per byte in a
-  head-major layout ``[B, K, S, Dh/2]``, with ``float32`` scales and ``uint8`` zero points
-  ``[B, K, S, G]`` (see ``ops/quant/kv4_attention.py``);
-* FlatQuant's key-cache transform: ``k_trans`` (``Dh × Dh``) applied to the keys **after RoPE**
-  and its inverse-transpose ``q_trans`` applied to the queries, so ``q̃ k̃ᵀ = q kᵀ`` before
-  quantization (official ``quant_kcache``). The value transform is folded into ``v_proj``
-  upstream, so values arrive already transformed;
-* the learned activation-clip logits of the K and V quantizers (``[2]`` each).
-
-Writes follow the dense cache's slot convention (token at position p → slot p). Attention:
-single-token decode with ``impl="pallas"`` runs the 4-bit decode kernel (dequantization inside
-the kernel); otherwise (prefill, or ``impl="ref"``) the cache is dequantized and the reference
-attention runs over it. Either way the current step's own K/V are attended in quantized form,
-as in the official fake-quant evaluation.
+Per layer: keys and values as asymmetric 4-bit codes per token and per group of ``min(128, Dh)``
+channels of one KV head, packed two per byte head-major ``[B, K, S, Dh/2]`` with float32 scales
+and uint8 zero points ``[B, K, S, G]`` (``ops/quant/kv4_attention.py``); FlatQuant's key transform
+``k_trans`` applied to the keys after RoPE and its inverse-transpose ``q_trans`` to the queries
+(``q̃ k̃ᵀ = q kᵀ``, official ``quant_kcache``; the value transform is folded into ``v_proj``); and
+the learned K/V clip logits. Single-token decode with ``impl="pallas"`` runs the 4-bit decode
+kernel; otherwise the cache is dequantized for the reference attention. The step's own K/V are
+attended in quantized form, as in the official fake-quant evaluation. Sub-config ``KV4Config``:
+``transforms`` names an ``.npz`` written by quantization (relative to the model folder), else
+identity transforms (plain KV4).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from pallasite.inference.cache.base import HeadMajorCache
 from pallasite.ops.attention import attention
 from pallasite.ops.quant.kv4_attention import dequantize_cache_bksd, kv4_decode_attention
-from pallasite.ops.quant.quantizers import kv_group_size, pack_int4, quantize_kv_asym
+from pallasite.ops.quant.quantizers import NO_CLIP_LOGIT, kv_group_size, pack_int4, quantize_kv_asym
+from pallasite.registry import KV_CACHE
 
-NO_CLIP_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32: "no learned clipping"
+TRANSFORM_KEYS = ("k_trans", "q_trans", "k_clip", "v_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class KV4Config:
+    """``kv_cache="kv4"`` options: quantization group and the transforms file (None: identity)."""
+
+    group: int = 128
+    transforms: Optional[str] = None  # .npz with TRANSFORM_KEYS; relative paths: the model's folder
+
+    def __post_init__(self):
+        if int(self.group) <= 0:
+            raise ValueError(f"KV4Config.group={self.group!r} must be a positive number of channels")
 
 
 @struct.dataclass
-class KV4Cache:
+class KV4Cache(HeadMajorCache):
     k_q: jax.Array  # [L, B, K, S, Dh/2] uint8
     k_scale: jax.Array  # [L, B, K, S, G] float32
     k_zero: jax.Array  # [L, B, K, S, G] uint8
@@ -51,12 +60,20 @@ class KV4Cache:
     bits: int = struct.field(pytree_node=False, default=4)
 
     @property
-    def capacity(self) -> int:
-        return self.k_q.shape[-2]
+    def slots_leaf(self):
+        return self.k_q
 
-    @property
-    def batch_size(self) -> int:
-        return self.k_q.shape[-4]
+    @classmethod
+    def create(cls, model_cfg, batch_size: int, max_len: int, *, config: Optional[KV4Config] = None,
+               model=None) -> "KV4Cache":
+        config = config or KV4Config()
+        transforms = None
+        if config.transforms is not None:
+            path = config.transforms
+            if not os.path.isabs(path) and getattr(model, "path", None):
+                path = os.path.join(model.path, path)
+            transforms = load_kv_transforms(path)
+        return init_kv4_cache(model_cfg, batch_size, max_len, transforms, group=config.group)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys/values (codes + scales + zero points), transforms excluded."""
@@ -91,7 +108,7 @@ class KV4Cache:
         kq, ks, kz = self._write(self.k_q, self.k_scale, self.k_zero, k, self.k_clip, positions_BT)
         vq, vs, vz = self._write(self.v_q, self.v_scale, self.v_zero, v_BTKD, self.v_clip, positions_BT)
         new = self.replace(k_q=kq, k_scale=ks, k_zero=kz, v_q=vq, v_scale=vs, v_zero=vz)
-        if impl == "pallas" and q.shape[1] == 1 and ks.shape[-1] == 1:
+        if impl == "pallas" and q.shape[1] == 1:  # the op logs and uses its reference for > 1 group
             out = kv4_decode_attention(q, kq, ks, kz, vq, vs, vz, positions_BT, sliding_window=sliding_window,
                                        impl="pallas", interpret=interpret)
         else:
@@ -108,6 +125,23 @@ def identity_kv_transforms(cfg) -> dict:
     eye = jnp.broadcast_to(jnp.eye(Dh, dtype=jnp.float32), (L, Dh, Dh))
     clip = jnp.full((L, 2), NO_CLIP_LOGIT, jnp.float32)
     return dict(k_trans=eye, q_trans=eye, k_clip=clip, v_clip=clip)
+
+
+def save_kv_transforms(path: str, transforms: dict) -> str:
+    """Write the per-layer K transforms and K/V clips (``TRANSFORM_KEYS``) as an ``.npz``."""
+    np.savez(path, **{k: np.asarray(transforms[k], np.float32) for k in TRANSFORM_KEYS})
+    return path if path.endswith(".npz") else path + ".npz"
+
+
+def load_kv_transforms(path: str) -> dict:
+    """Read ``save_kv_transforms``' file; a missing file or key is named."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"KV4 transforms file {path!r} does not exist")
+    with np.load(path) as z:
+        missing = [k for k in TRANSFORM_KEYS if k not in z.files]
+        if missing:
+            raise ValueError(f"KV4 transforms file {path!r} lacks {missing}; expected keys {TRANSFORM_KEYS}")
+        return {k: jnp.asarray(z[k], jnp.float32) for k in TRANSFORM_KEYS}
 
 
 def init_kv4_cache(cfg, batch_size: int, max_len: int, transforms: Optional[dict] = None,
@@ -133,3 +167,6 @@ def init_kv4_cache(cfg, batch_size: int, max_len: int, transforms: Optional[dict
     return KV4Cache(k_q=codes(), k_scale=scales(), k_zero=zeros(), v_q=codes(), v_scale=scales(), v_zero=zeros(),
                     k_trans=own(t["k_trans"]), q_trans=own(t["q_trans"]), k_clip=own(t["k_clip"]),
                     v_clip=own(t["v_clip"]), group=group, bits=bits)
+
+
+KV_CACHE.register("kv4", KV4Cache, config=KV4Config)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from pallasite.configs import ConfigError, load_config, parse_arg, train_defaults
+from pallasite.models.config import model_config_from
+from pallasite.training.config import ConfigError, load_config, parse_arg, train_defaults
 from pallasite.configs import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,12 +79,12 @@ def test_every_experiment_uses_the_full_schema():
 ])
 def test_presets_match_published_sizes(name, params):
     d = models.get(name)
-    cfg = models.to_model_config(d, vocab_size=8192)
+    cfg = model_config_from(d, vocab_size=8192)
     assert math.isclose(cfg.num_params(), params, rel_tol=0.01), (name, cfg.num_params())
 
 
 def test_presets_are_validated():
-    assert models.to_model_config(models.get("llama3_1_8b")).rope_scaling_dict["rope_type"] == "llama3"
+    assert model_config_from(models.get("llama3_1_8b")).rope_scaling_dict["rope_type"] == "llama3"
     assert models.get("qwen2_5_0_5b")["qkv_bias"] is True
     with pytest.raises(ValueError, match="n_kv_heads"):
         models.get("tiny", n_kv_heads=3)

@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from pallasite.inference.cache import init_dense_cache
-from pallasite.inference.cache.catekv import (
-    CateKVConfig, calibrate_head_mask, chunk_geometry, classify_heads, init_catekv_cache, kept_indices,
-    load_head_mask, memory_report, middle_attention, pool_offsets, save_head_mask,
-)
+from pallasite.inference.cache.catekv import init_catekv_cache, memory_report, pool_offsets
+from pallasite.inference.cache.catekv_mask import calibrate_head_mask, load_head_mask, save_head_mask
+from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_geometry, classify_heads, kept_indices,
+                                                      middle_attention)
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
 
@@ -360,22 +360,29 @@ def test_cache_bytes_equal_formula_for_ragged_mask():
         assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))
 
 
-def test_engine_cache_factory_decodes_like_forward(model):
-    """inference.engine with catekv_cache_factory (sparse ragged mask), prompts of different lengths
-    (right-padded by the engine to a bucket) == each prompt alone, prefilled + greedy via forward:
-    same tokens, same per-row selection (kept entries and slot offsets)."""
+def test_engine_with_the_catekv_cache_kind_decodes_like_forward(model, tmp_path):
+    """The engine with ``kv_cache="catekv"`` (the config switch: mask file + sub-config; sparse ragged
+    mask), prompts of different lengths (right-padded by the engine to a bucket) == each prompt alone,
+    prefilled + greedy via forward: same tokens, same per-row selection (kept entries, slot offsets)."""
+    import dataclasses
+
     from pallasite.inference import engine as E
-    from pallasite.inference.cache.catekv import catekv_cache_factory
+    from pallasite.inference.config import GenerationConfig
     from pallasite.inference.sampling import SamplingParams
 
     gd, st = model
     mask = np.array([[True, False], [False, False]])
+    path = save_head_mask(str(tmp_path / "mask.json"), mask, CFG)
     toks = np.asarray(_tokens(B=1, T=112, seed=11))[0].tolist()
     prompts = [toks, toks[:77][::-1]]  # 77: the engine pads it to 112 (the longest prompt)
     args, spec = SamplingParams.make(2, 0.0)
-    s = E.run_decode(gd, st, CFG, prompts, max_new_tokens=N_NEW, strategy=E.SamplingStrategy(spec=spec), args=args,
-                     key=jax.random.key(0), cache_len=128,
-                     cache_factory=catekv_cache_factory(mask, SMALL, max_new_tokens=N_NEW))
+    gen = GenerationConfig(max_new_tokens=N_NEW, cache_len=128, kv_cache="catekv",
+                           kv_cache_config={**dataclasses.asdict(SMALL), "head_mask": path})
+    s = E.run_decode(gd, st, CFG, prompts, gen, strategy=E.SamplingStrategy(spec=spec), args=args,
+                     key=jax.random.key(0))
+    assert type(s.cache).__name__ == "CateKVCache"
+    with pytest.raises(ValueError, match="needs a head mask"):
+        E.generate_ids(gd, st, CFG, prompts, gen.replace(kv_cache_config=dataclasses.asdict(SMALL)))
     got = E.results(s)
     for row, prompt in enumerate(prompts):
         cache = init_catekv_cache(CFG, 1, 128, mask, catekv_cfg=SMALL, max_new_tokens=N_NEW)

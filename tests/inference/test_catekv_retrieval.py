@@ -1,12 +1,12 @@
 """Slow: pass-key retrieval on SmolLM2-135M at ~1k context with the CateKV cache (small N; the
-figures in docs/attention.md come from ``python -m pallasite.inference.cache.catekv_eval``)."""
+figures in docs/attention.md come from ``python -m pallasite.benchmarks.catekv_retrieval``)."""
 
 import pytest
 
 
 @pytest.mark.slow
 def test_passkey_retrieval_smollm2(smollm2):
-    from pallasite.inference.cache.catekv_eval import run
+    from pallasite.eval.catekv_retrieval import run
 
     res = run(n_eval=2, n_calib=1, context=1088, budget=512, chunk=512, model=smollm2, log=lambda *a: None)
     acc = res["accuracy"]

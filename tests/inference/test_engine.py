@@ -12,6 +12,7 @@ from flax import nnx
 
 from pallasite.inference import engine as E
 from pallasite.inference.cache import init_dense_cache
+from pallasite.inference.config import GenerationConfig
 from pallasite.inference.sampling import SamplingParams
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
@@ -74,8 +75,8 @@ def test_cached_decode_equals_full_recompute(variant):
                                                     sliding_window=8, family="qwen3")
     g, st = nnx.split(init_model(cfg, seed=1))
     params, spec = SamplingParams.make(len(PROMPTS))
-    s = E.run_decode(g, st, cfg, PROMPTS, max_new_tokens=N_NEW, strategy=RecordingGreedy(spec=spec), args=params,
-                     key=jax.random.key(0))
+    s = E.run_decode(g, st, cfg, PROMPTS, GenerationConfig(max_new_tokens=N_NEW), strategy=RecordingGreedy(spec=spec),
+                     args=params, key=jax.random.key(0))
     outs, rec = E.results(s), np.asarray(s.extra)
     fulls = _full_logits(g, st, cfg, [p + o for p, o in zip(PROMPTS, outs)])
     for i, prompt in enumerate(PROMPTS):
@@ -124,8 +125,8 @@ def test_stop_tokens_per_row(model):
         assert row_got == row_free[:cut]
     assert got[0][-1] == stop and len(got[0]) <= 4
     # all rows stopping at once ends the loop early: nothing is emitted after the stop token
-    s = E.run_decode(g, st, CFG, [PROMPTS[0]], max_new_tokens=N_NEW, strategy=E.SamplingStrategy(),
-                     args=SamplingParams.make(1)[0], key=jax.random.key(0), stop_tokens=(free[0][0],))
+    s = E.run_decode(g, st, CFG, [PROMPTS[0]], GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(free[0][0],)),
+                     strategy=E.SamplingStrategy(), args=SamplingParams.make(1)[0], key=jax.random.key(0))
     assert E.results(s) == [[free[0][0]]]
     assert np.all(np.asarray(s.out_BN)[0, 1:] == 0)  # pad id
 

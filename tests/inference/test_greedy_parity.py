@@ -31,7 +31,7 @@ def test_greedy_tokens_match_transformers(family, tmp_path):
     torch_model.generation_config.eos_token_id = None
     cfg, state = import_hf(path)
     graphdef = nnx.split(abstract_model(cfg))[0]
-    ours = generate_ids(graphdef, state, cfg, PROMPTS, max_new_tokens=N_NEW)
+    ours = generate_ids(graphdef, state, cfg, PROMPTS, max_new_tokens=N_NEW, stop_tokens=())
     for i, prompt in enumerate(PROMPTS):
         theirs = pt_greedy(torch_model, np.asarray([prompt]), N_NEW)[0].tolist()
         assert len(theirs) == len(ours[i]) == N_NEW

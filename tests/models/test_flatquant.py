@@ -274,7 +274,7 @@ def test_shared_input_transform_keeps_logits_equal(tiny, per_linear_clips):
     out = {}
     for share in (False, True):
         qm = quantize_model(CFG, pure, "hadamard", resolved=resolved, share_inputs=share)
-        assert qm.cfg.quant.share_inputs == share and qm.cfg.quant.shared_act_clip == (share and not per_linear_clips)
+        assert qm.cfg.linear_config.share_inputs == share and qm.cfg.linear_config.shared_act_clip == (share and not per_linear_clips)
         calls = {"kron_quantize": 0, "kron_transform_ref": 0}
         originals = {name: getattr(mq, name) for name in calls}
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallasite.models import abstract_model, forward, hf, init_model
+from pallasite.models import abstract_model, forward, hf, hf_config, init_model
 from pallasite.models.config import ModelConfig
+from pallasite.registry import HF_FFN, HF_MODEL_TYPE
 
 FAMILIES = ["llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen3"]
 # Two rows, 12 tokens: longer than mistral's window of 5, ids spread over the vocab.
@@ -113,7 +114,7 @@ def test_round_trip_bit_exact(tiny, family, tmp_path):
             assert got[k].tobytes() == src[k].tobytes(), k
     # config.json: same ModelConfig back, and transformers' AutoConfig reads the same model.
     transformers = pytest.importorskip("transformers")
-    assert hf.config_from_hf(json.load(open(out / "config.json"))) == cfg.replace(scan_layers=False)
+    assert hf_config.config_from_hf(json.load(open(out / "config.json"))) == cfg.replace(scan_layers=False)
     a = transformers.AutoConfig.from_pretrained(path).to_dict()
     b = transformers.AutoConfig.from_pretrained(out).to_dict()
     for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -248,29 +249,29 @@ def test_tied_head_in_file(tiny, tmp_path):
 
 
 def test_config_errors_and_old_style_rope():
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported.*'llama', 'mistral', 'qwen2', 'qwen3'"):
-        hf.config_from_hf({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match=r"model_type='gpt2' is not a registered.*known: llama, mistral, mixtral"):
+        hf_config.config_from_hf({"model_type": "gpt2"})
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        hf.config_from_hf({**base, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+        hf_config.config_from_hf({**base, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="required key 'hidden_size'"):
-        hf.config_from_hf({k: v for k, v in {**base, "model_type": "llama"}.items() if k != "hidden_size"})
+        hf_config.config_from_hf({k: v for k, v in {**base, "model_type": "llama"}.items() if k != "hidden_size"})
     # Pre-v5 layout: top-level rope_theta, rope_scaling with "type".
-    old = hf.config_from_hf({**base, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
+    old = hf_config.config_from_hf({**base, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
         "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}, "eos_token_id": [128001, 128009]})
     assert old.rope_theta == 500000.0 and old.rope_scaling_dict["rope_type"] == "llama3"
     assert old.eos_token_id == (128001, 128009) and old.head_dim == 16
     # Qwen2 sliding window: all layers slide -> window; mixed layers -> clear refusal.
     q = {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}
-    assert hf.config_from_hf({**q, "max_window_layers": 0}).sliding_window == 32
-    assert hf.config_from_hf({**q, "use_sliding_window": False}).sliding_window is None
+    assert hf_config.config_from_hf({**q, "max_window_layers": 0}).sliding_window == 32
+    assert hf_config.config_from_hf({**q, "use_sliding_window": False}).sliding_window is None
     with pytest.raises(ValueError, match="mixed sliding/full attention"):
-        hf.config_from_hf({**q, "max_window_layers": 2})
+        hf_config.config_from_hf({**q, "max_window_layers": 2})
     # A config a family cannot express is refused on export.
     with pytest.raises(ValueError, match="qwen2 checkpoint cannot express"):
-        hf.config_to_hf(ModelConfig(family="qwen2", qkv_bias=False))
+        hf_config.config_to_hf(ModelConfig(family="qwen2", qkv_bias=False))
 
 
 # ------------------------------------------------------------------------ pallasite.testing helpers
@@ -299,7 +300,7 @@ def test_registry_hooks_contract(tiny, tmp_path):
     that is many-to-one (gate and up fused into one HF tensor, as some checkpoints store them)
     import, export and round-trip through hf.py without edits to it."""
     _, path, ref = tiny["llama"]
-    old_dense = hf.FFN_MAPPINGS["dense"]
+    old_dense = HF_FFN.get("dense")
 
     def to_hf(cfg, ffn, prefix, layer):
         fused = np.concatenate([ffn[("gate_proj", "kernel")], ffn[("up_proj", "kernel")]], axis=1)
@@ -312,11 +313,11 @@ def test_registry_hooks_contract(tiny, tmp_path):
         return {("gate_proj", "kernel"): fused[:, :f], ("up_proj", "kernel"): fused[:, f:],
                 ("down_proj", "kernel"): hf.linear_from_hf(read, prefix + "mlp.down_proj.weight", expected[("down_proj", "kernel")])}
 
-    hf.register_model_type("fusedllama", from_hf=lambda c: hf.config_from_hf({**c, "model_type": "llama"}).replace(family="fusedllama"),
-                           to_hf=lambda cfg: hf.MODEL_TYPES["llama"].to_hf(cfg), architecture="LlamaForCausalLM")
+    hf_config.register_model_type("fusedllama", from_hf=lambda c: hf_config.config_from_hf({**c, "model_type": "llama"}).replace(family="fusedllama"),
+                           to_hf=lambda cfg: HF_MODEL_TYPE.get("llama").to_hf(cfg), architecture="LlamaForCausalLM")
     try:
         cfg, state = hf.import_hf(path)
-        hf.register_ffn_mapping("dense", to_hf, from_hf)
+        HF_FFN.register("dense", (to_hf, from_hf), replace=True)
         fused_cfg = cfg.replace(family="fusedllama")
         hf.export_hf(fused_cfg, state, tmp_path / "fused")
         names = set(_read_all(tmp_path / "fused"))
@@ -329,5 +330,5 @@ def test_registry_hooks_contract(tiny, tmp_path):
         with pytest.raises(hf.CheckpointMismatchError, match=r"'model.layers.0.mlp.gate_up_proj.weight'.*expected shape \(256, 64\)"):
             hf.import_hf(path, cfg=cfg)  # the plain file has no fused tensor
     finally:
-        hf.register_ffn_mapping("dense", *old_dense)
-        hf.MODEL_TYPES.pop("fusedllama", None)
+        HF_FFN.register("dense", old_dense, replace=True)
+        HF_MODEL_TYPE.unregister("fusedllama")

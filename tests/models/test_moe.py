@@ -9,11 +9,12 @@ from flax import nnx
 
 from pallasite import sharding
 from pallasite.models.config import ModelConfig
-from pallasite.models.moe import MoE, MoEConfig, capacity_keep, expert_capacity
+from pallasite.models.moe import MoE, MoEConfig
+from pallasite.models.moe_routing import capacity_keep, expert_capacity
 
 
 def _layer(seed=0, hidden_act="silu", **moe):
-    cfg = ModelConfig(d_model=16, d_ff=24, ffn="moe", moe=MoEConfig(**moe), hidden_act=hidden_act)
+    cfg = ModelConfig(d_model=16, d_ff=24, ffn="moe", ffn_config=MoEConfig(**moe), hidden_act=hidden_act)
     return MoE(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -180,7 +181,7 @@ def test_config_errors_name_the_field():
         MoEConfig(dispatch="ring")
     with pytest.raises(ValueError, match="occult_devices=3"):
         MoEConfig(num_experts=8, occult_devices=3)
-    cfg = ModelConfig(ffn="moe", moe=MoEConfig(num_experts=4, top_k=1, capacity_factor=1.5))
+    cfg = ModelConfig(ffn="moe", ffn_config=MoEConfig(num_experts=4, top_k=1, capacity_factor=1.5))
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # JSON round trip restores the sub-config
 
 
@@ -190,7 +191,7 @@ def test_small_batch_expert_paths_equal_grouped_matmul(rows, gated):
     """The decode-sized shortcuts of ``expert_ffn_rows`` (auto) equal the ragged_dot reference
     in values and gradients, empty (−1) slots included."""
     from pallasite.models.layers import activation
-    from pallasite.models.moe import _small_batch_path, expert_ffn_rows
+    from pallasite.models.moe_experts import _small_batch_path, expert_ffn_rows
 
     E, D, F, S = 8, 16, 24, 2
     want = {1: "_experts_gathered", 10: "_experts_all_dense", 100: None}[rows]

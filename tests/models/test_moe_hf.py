@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallasite.models import abstract_model, forward, hf
+from pallasite.models import abstract_model, forward, hf, hf_config
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 IDS = np.array([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 40, 50], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 200, 255]])
@@ -21,10 +21,8 @@ _fwd = jax.jit(forward, static_argnums=0)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     pytest.importorskip("torch")
-    from pallasite.models.hf_moe import register_tiny_moe_families
     from pallasite.testing import make_tiny_hf_model, pt_logits
 
-    register_tiny_moe_families()
     out = {}
     for fam in FAMILIES:
         model, path = make_tiny_hf_model(fam, tmp_path_factory.mktemp(fam))
@@ -83,14 +81,14 @@ def test_moe_config_errors():
     base = dict(model_type="qwen2_moe", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                 intermediate_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     with pytest.raises(ValueError, match="decoder_sparse_step=2"):
-        hf.config_from_hf({**base, "decoder_sparse_step": 2})
+        hf_config.config_from_hf({**base, "decoder_sparse_step": 2})
     with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
-        hf.config_from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "router_jitter_noise": 0.1})
+        hf_config.config_from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "router_jitter_noise": 0.1})
     with pytest.raises(ValueError, match="clip_qkv=8"):
-        hf.config_from_hf({**base, "model_type": "olmoe", "clip_qkv": 8})
-    cfg = hf.config_from_hf({**base, "shared_expert_intermediate_size": 8})
-    assert cfg.moe.num_experts == 4 and cfg.moe.shared_expert_d_ff == 8 and cfg.moe.norm_topk_prob is False
-    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+        hf_config.config_from_hf({**base, "model_type": "olmoe", "clip_qkv": 8})
+    cfg = hf_config.config_from_hf({**base, "shared_expert_intermediate_size": 8})
+    assert cfg.ffn_config.num_experts == 4 and cfg.ffn_config.shared_expert_d_ff == 8 and cfg.ffn_config.norm_topk_prob is False
+    assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
 
 
 def test_placement_permuted_checkpoint_keeps_pytorch_logits(tiny, tmp_path):
@@ -120,7 +118,7 @@ def test_non_gated_experts_have_no_hf_layout():
     from pallasite.models.config import ModelConfig
     from pallasite.models.moe import MoEConfig
 
-    cfg = ModelConfig(family="mixtral", d_model=8, d_ff=16, ffn="moe", moe=MoEConfig(num_experts=2, gated=False))
+    cfg = ModelConfig(family="mixtral", d_model=8, d_ff=16, ffn="moe", ffn_config=MoEConfig(num_experts=2, gated=False))
     params = {("router",): np.zeros((8, 2)), ("w_up",): np.zeros((2, 8, 16)), ("w_down",): np.zeros((2, 16, 8))}
     with pytest.raises(ValueError, match=r"layer 0 has non-gated MoE experts"):
         hf_moe._moe_to_hf(cfg, params, "model.layers.0.", 0)

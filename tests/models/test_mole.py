@@ -20,7 +20,7 @@ V, D, L, N, F = 512, 64, 2, 4, 256
 
 def tiny_cfg(n_experts=N, scan=False, **mole):
     return ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=4, n_kv_heads=2, d_ff=F, ffn="mole",
-                       mole=MoLEConfig(n_experts=n_experts, **mole), scan_layers=scan, pad_token_id=0)
+                       ffn_config=MoLEConfig(n_experts=n_experts, **mole), scan_layers=scan, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +176,11 @@ def test_device_resident_params_equal_dense_plus_routers(trained_like):
 def test_config_roundtrip_and_errors(trained_like):
     cfg, _, _, lut_model = trained_like
     again = ModelConfig.from_dict(cfg.to_dict())
-    assert again == cfg and isinstance(again.mole, MoLEConfig)
+    assert again == cfg and isinstance(again.ffn_config, MoLEConfig)
     with pytest.raises(ValueError, match="mode='bogus'|mode"):
         MoLEConfig(mode="bogus")
     with pytest.raises(ValueError, match="unknown key"):
-        ModelConfig.from_dict({**cfg.to_dict(), "mole": {"n_experts": 4, "top_k": 2}})
+        ModelConfig.from_dict({**cfg.to_dict(), "ffn_config": {"n_experts": 4, "top_k": 2}})
     # LUT mode without rows or an attached store fails naming what is missing
     gl, sl = nnx.split(lut_model)
     with pytest.raises(ValueError, match=r"lut_rows has shape \(0,\), expected \(1, 4, 4, 64\)"):
@@ -206,7 +206,7 @@ def test_dedup_training_path_equals_all_tokens_path():
     results = {}
     for frac in (0.0, 0.5):
         cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32, ffn="mole",
-                          mole=MoLEConfig(n_experts=3, dedup_fraction=frac))  # small: the cond compiles both paths
+                          ffn_config=MoLEConfig(n_experts=3, dedup_fraction=frac))  # small: the cond compiles both paths
         model = init_model(cfg, seed=2)
         g, params = nnx.split(model, nnx.Param)
 
@@ -241,16 +241,16 @@ def test_expert_configs_equal_activated_params(size):
     assert activated_ffn_params(dense) == 2 * D * Ds
     for kind, n in (("mole4", 4), ("mole16", 16)):
         c = cfg(kind)
-        assert c.ffn == "mole" and c.mole.n_experts == n and c.hidden_act == "gelu_exact"
+        assert c.ffn == "mole" and c.ffn_config.n_experts == n and c.hidden_act == "gelu_exact"
         assert activated_ffn_params(c) == 2 * D * Ds + D * n
     for kind, e in (("moe10", 10), ("moe34", 34)):
-        m = cfg(kind).moe
+        m = cfg(kind).ffn_config
         assert (m.num_experts, m.top_k) == (e, 2) and m.lb_loss_coef == 0.01 and m.z_loss_coef == 0.001
         assert not m.gated and m.d_expert == Ds // 2 and m.top_k * 2 * D * m.d_expert == 2 * D * Ds
         # training-time expert weights: MoLE-4E = MoE-10E, MoLE-16E = MoE-34E (in units of 2·d·D_s)
         mole_n = {10: 4, 34: 16}[e]
         assert e * 2 * D * m.d_expert == (mole_n + 1) * 2 * D * Ds
-        g = cfg(kind + "g").moe if size == "cpu" else cfg(kind, moe_gated=True).moe  # SwiGLU-form ablation
+        g = cfg(kind + "g").ffn_config if size == "cpu" else cfg(kind, moe_gated=True).ffn_config  # SwiGLU-form ablation
         assert g.gated and abs(g.top_k * 3 * D * g.d_expert / (2 * D * Ds) - 1) < 0.02
     glu = cfg("dense_glu")
     assert glu.ffn == "dense" and abs(3 * D * glu.d_ff / (2 * D * Ds) - 1) < 0.02

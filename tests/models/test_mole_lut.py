@@ -21,7 +21,7 @@ V, D, L, N = 256, 32, 2, 4
 
 def cfg_of(vocab=V, **kw):
     return ModelConfig(vocab_size=vocab, d_model=D, n_layers=L, n_heads=4, n_kv_heads=2, d_ff=64, ffn="mole",
-                       mole=MoLEConfig(n_experts=N, **kw))
+                       ffn_config=MoLEConfig(n_experts=N, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_bad_lut_files_fail_at_load(setup, tmp_path):
     with pytest.raises(ML.LUTFileError, match="other weights"):
         ML.open_lut(path, init_model(cfg_of(), seed=1))
     with pytest.raises(ML.LUTFileError, match="n_experts: LUT has 4, model has 2"):
-        MD.serve_with_store(ML.to_lut_model(init_model(cfg_of().replace(mole=MoLEConfig(n_experts=2)), seed=0)),
+        MD.serve_with_store(ML.to_lut_model(init_model(cfg_of().replace(ffn_config=MoLEConfig(n_experts=2)), seed=0)),
                             ML.open_lut(path))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
         host.fetch(np.array([[3, 256]]))

@@ -10,7 +10,9 @@ from flax import nnx
 from pallasite import sharding
 from pallasite.models import occult
 from pallasite.models.config import ModelConfig
-from pallasite.models.moe import MoEConfig, expert_ffn_rows
+from pallasite.models.moe import MoEConfig
+from pallasite.models.moe_experts import expert_ffn_rows
+from pallasite.models.moe_routing import prune_routing
 from pallasite.models.moe_dispatch import dispatch_plan, expert_parallel_ffn
 from pallasite.models.occult_accounting import check_ct_bounds, communication_stats, communication_times
 from pallasite.models.transformer import Transformer
@@ -122,7 +124,7 @@ def test_greedy_placement_recovers_planted_clusters():
 
 def _tiny_moe_model(scan=False, **moe):
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, ffn="moe",
-                      scan_layers=scan, moe=MoEConfig(num_experts=8, top_k=3, **moe))
+                      scan_layers=scan, ffn_config=MoEConfig(num_experts=8, top_k=3, **moe))
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -168,21 +170,21 @@ def test_pruning_limits_devices_and_is_identity_at_full_budget():
     w, e = jax.lax.top_k(probs, 4)
     sim = jnp.asarray(rng.random((16, 16)), jnp.float32)
     for kind in ("score", "similarity"):
-        w8, e8 = occult.prune_routing(probs, w, e, num_devices=8, max_devices=8, kind=kind, similarity_EE=sim)
+        w8, e8 = prune_routing(probs, w, e, num_devices=8, max_devices=8, kind=kind, similarity_EE=sim)
         assert np.array_equal(e8, e) and np.array_equal(w8, w)
         for nd in (2,):
-            wp, ep = occult.prune_routing(probs, w, e, num_devices=8, max_devices=nd, kind=kind, similarity_EE=sim)
+            wp, ep = prune_routing(probs, w, e, num_devices=8, max_devices=nd, kind=kind, similarity_EE=sim)
             dev = np.asarray(ep) // 2
             assert max(len(set(r)) for r in dev) <= nd
             assert all(len(set(r)) == 4 for r in np.asarray(ep))  # k distinct experts
             assert communication_times(np.asarray(ep), 16, 8) <= nd
     # score pruning keeps the highest-probability experts of the allowed devices
-    wp, ep = occult.prune_routing(probs, w, e, num_devices=8, max_devices=2, kind="score")
+    wp, ep = prune_routing(probs, w, e, num_devices=8, max_devices=2, kind="score")
     np.testing.assert_allclose(wp, jnp.take_along_axis(probs, ep, 1))
     with pytest.raises(ValueError, match="max_devices=1 devices × 2 experts each < top_k=4"):
-        occult.prune_routing(probs, w, e, num_devices=8, max_devices=1, kind="score")
+        prune_routing(probs, w, e, num_devices=8, max_devices=1, kind="score")
     # N_d' = 1 with 4 experts per device: every token stays on one device
-    wp, ep = occult.prune_routing(probs, w, e, num_devices=4, max_devices=1, kind="similarity", similarity_EE=sim)
+    wp, ep = prune_routing(probs, w, e, num_devices=4, max_devices=1, kind="similarity", similarity_EE=sim)
     assert communication_times(np.asarray(ep), 16, 4) == 1.0
 
 
@@ -208,7 +210,7 @@ def test_moe_only_finetune_freezes_everything_else():
     from pallasite.models import occult_finetune as ft
 
     cfg = ModelConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, ffn="moe",
-                      moe=MoEConfig(num_experts=4, top_k=2, occult_devices=2, occult_max_devices=1))
+                      ffn_config=MoEConfig(num_experts=4, top_k=2, occult_devices=2, occult_max_devices=1))
     base = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
     data = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)
     gd, params, rest, losses = ft.train(cfg, steps=2, batch=2, seq_len=16, state=base, trainable="moe", data=data)
@@ -225,7 +227,7 @@ def test_pruned_gates_follow_the_family_convention(norm_topk_prob):
     the raw softmax probabilities of the kept experts."""
     from pallasite.models.moe import MoE
 
-    cfg = ModelConfig(d_model=16, d_ff=16, ffn="moe", moe=MoEConfig(
+    cfg = ModelConfig(d_model=16, d_ff=16, ffn="moe", ffn_config=MoEConfig(
         num_experts=8, top_k=3, norm_topk_prob=norm_topk_prob, occult_devices=2, occult_max_devices=1))
     layer = MoE(cfg, rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(4), (2, 5, 16))

@@ -117,12 +117,18 @@ def test_config_from_dict_rejects_unknown_keys_and_round_trips():
 
 
 def test_method_sub_configs_are_validated_from_mappings():
-    from pallasite.models.config import sub_config_of
     from pallasite.models.moe import MoEConfig, moe_config_of
+    from pallasite.models.mole import MoLEConfig
 
-    cfg = ModelConfig(ffn="moe", moe={"num_experts": 4})
+    cfg = ModelConfig(ffn="moe", ffn_config={"num_experts": 4})
     assert isinstance(moe_config_of(cfg), MoEConfig) and moe_config_of(cfg).num_experts == 4
-    with pytest.raises(ValueError, match=r"ModelConfig.moe: unknown key\(s\) \[.num_expert.\]"):
-        sub_config_of(ModelConfig(ffn="moe", moe={"num_expert": 4}), "moe", MoEConfig)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # the sub-config round-trips through JSON
+    with pytest.raises(ValueError, match=r"ModelConfig.ffn_config: unknown key 'num_expert'"):
+        ModelConfig(ffn="moe", ffn_config={"num_expert": 4})
     with pytest.raises(TypeError, match="must be a MoEConfig"):
-        sub_config_of(ModelConfig(ffn="moe", moe=3), "moe", MoEConfig)
+        ModelConfig(ffn="moe", ffn_config=3)
+    with pytest.raises(TypeError, match="must be a MoEConfig"):  # another kind's sub-config
+        ModelConfig(ffn="moe", ffn_config=MoLEConfig())
+    with pytest.raises(ValueError, match="takes no options"):
+        ModelConfig(ffn="dense", ffn_config={"n_experts": 2})
+    assert cfg.replace(ffn="mole").ffn_config == MoLEConfig()  # a new kind starts from its defaults

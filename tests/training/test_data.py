@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from pallasite.configs import train_defaults
+from pallasite.training.config import train_defaults
 from pallasite.models.tokenizer import load_tokenizer, train_bpe
 from pallasite.training import data as D
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallasite.configs import load_config
+from pallasite.training.config import load_config
 from pallasite.training.checkpointing import Checkpointer
 from pallasite.training.loop import train
 from pallasite.training.metrics import read_jsonl
@@ -89,7 +89,7 @@ def test_hf_export_holds_the_trained_weights(reference_run):
 
 _KILL_SCRIPT = """
 import os, signal, sys
-from pallasite.configs import load_config
+from pallasite.training.config import load_config
 from pallasite.training.loop import train
 config = load_config(sys.argv[1], overrides=sys.argv[3:])
 kill_at = 10

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_quickstart_beats_unigram_entropy(tmp_path):
-    from pallasite.configs import load_config
+    from pallasite.training.config import load_config
     from pallasite.training.loop import train
 
     config = load_config(os.path.join(ROOT, "configs", "quickstart.py"),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pallasite import sharding as shd
-from pallasite.configs import train_defaults
+from pallasite.registry import LOSS
+from pallasite.training.config import train_defaults
 from pallasite.models.config import ModelConfig
 from pallasite.training import optim
 from pallasite.training import step as st
@@ -90,9 +91,10 @@ def test_loss_is_masked_mean_cross_entropy():
     lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     nll = -np.take_along_axis(lp, b["targets"][..., None], -1)[..., 0]
     expected = (nll * b["loss_mask"]).sum() / b["loss_mask"].sum()
-    loss, (ce, n, aux) = jax.jit(lambda p, b: st.lm_loss(g, p, o, b))(p, {k: jnp.asarray(v) for k, v in b.items()})
+    lm = LOSS.get("lm")
+    loss, terms = jax.jit(lambda p, b: st.loss_value(g, p, o, b, loss=lm))(p, {k: jnp.asarray(v) for k, v in b.items()})
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    assert float(n) == b["loss_mask"].sum() and aux == {}
+    assert float(terms.count) == b["loss_mask"].sum() and terms.aux == {}
 
 
 def test_one_vs_eight_devices_same_losses(reference):
@@ -133,7 +135,7 @@ def test_moe_aux_losses_and_expert_parallel_step():
     from pallasite.models.moe import MoEConfig
 
     saved = CFG
-    CFG = saved.replace(ffn="moe", moe=MoEConfig(num_experts=4, top_k=2, d_expert=32))
+    CFG = saved.replace(ffn="moe", ffn_config=MoEConfig(num_experts=4, top_k=2, d_expert=32))
     try:
         one_m, one_p = _run({"data": 1}, _batches(2))
         ep_m, ep_p = _run({"data": 2, "expert": 4}, _batches(2))

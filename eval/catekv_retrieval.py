@@ -3,14 +3,7 @@ filler text, accuracy of the full cache, CateKV (calibrated mask), the inverted 
 highest-CV heads kept full, same count) and a StreamingLLM-style window (init + newest tokens for
 every head) at the same KV memory.
 
-    python -m pallasite.inference.cache.catekv_eval        # = --n-eval 12 --n-calib 2 --context 1088 --budget 384 --seed 1
-
-Measured (docs/attention.md): at 1088 tokens, B = 384, r = 0.4, 12 prompts: full 10/12, CateKV
-10/12, inverted 10/12, window 7/12. At 2048 tokens (B = 512) the model itself fails most prompts
-(full 2/8), so that setting says nothing about the cache. ``--task copy`` (a marked line to be
-copied; the 135M model solves it at 2k–4k) at 4160 tokens, B = 1024: see docs/attention.md
-(6 prompts: full, CateKV, per-layer and inverted masks 6/6; the memory-matched window 2/6, the
-prompts whose needle lies inside it).
+    python -m pallasite.benchmarks.catekv_retrieval   # the driver; figures in docs/attention.md
 
 How it runs (CPU friendly): the prompt is prefilled into a *dense* cache in chunks (bounded
 attention memory), the last 64 prompt tokens go through a recorder cache that also keeps their
@@ -23,23 +16,22 @@ with RULER variable tracking.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import re
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
-from pallasite.inference.cache.catekv import (
-    CateKVConfig, calibrate_head_mask, init_catekv_cache, memory_report,
-)
+from pallasite.inference.cache.base import KVCache
+from pallasite.inference.cache.catekv import init_catekv_cache, memory_report
+from pallasite.inference.cache.catekv_mask import calibrate_head_mask
+from pallasite.inference.cache.catekv_select import CateKVConfig
 from pallasite.inference.cache.dense import DenseKVCache, init_dense_cache
-from pallasite.models.transformer import forward
+from pallasite.models import gguf
+from pallasite.models.transformer import abstract_model, forward
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 HEAD = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n"
@@ -79,7 +71,7 @@ TASKS = {  # head, needle (with {key}), question
 
 
 @struct.dataclass
-class _QRecorder:
+class _QRecorder(KVCache):
     """Dense cache that also returns the queries of the call (to build CateKV after prefill)."""
     k: jax.Array
     v: jax.Array
@@ -170,11 +162,6 @@ def streaming_budget(n: int, r: float, ccfg: CateKVConfig) -> int:
 
 def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1024, r: float = 0.4, chunk: int = 1008,
         n_new: int = 8, seed: int = 0, model=None, log=print, task: str = "passkey") -> dict:
-    from pallasite.models import gguf
-    from flax import nnx
-
-    from pallasite.models.transformer import abstract_model
-
     if model is None:
         path = gguf.smollm2_gguf_path()
         if path is None:
@@ -242,28 +229,3 @@ def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1
         "answers": answers, "wall_s": round(time.time() - t0, 1),
     }
     return result
-
-
-def main(argv: Optional[list] = None):
-    p = argparse.ArgumentParser(description="CateKV pass-key retrieval check on SmolLM2-135M")
-    p.add_argument("--n-eval", type=int, default=12)
-    p.add_argument("--n-calib", type=int, default=2)
-    p.add_argument("--context", type=int, default=1088)
-    p.add_argument("--budget", type=int, default=384)
-    p.add_argument("--r", type=float, default=0.4)
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk; context - 64 must be a multiple")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--task", default="passkey", choices=sorted(TASKS))
-    p.add_argument("--out", default=None, help="write the full result (answers included) as JSON here")
-    a = p.parse_args(argv)
-    res = run(n_eval=a.n_eval, n_calib=a.n_calib, context=a.context, budget=a.budget, r=a.r, chunk=a.chunk, seed=a.seed,
-              task=a.task, log=lambda *m: print(*m, flush=True))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k != "answers"}))
-    return res
-
-
-if __name__ == "__main__":
-    main()
