@@ -24,7 +24,6 @@ Prints a table and ends with one JSON line (final eval losses in nats/token).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -37,14 +36,15 @@ from flax import nnx
 
 from pallasite import sharding as shd
 from pallasite.benchmarks.timing import median_time
-from pallasite.configs import train_defaults
 from pallasite.models.config import ModelConfig
+from pallasite.models.context import Taps
 from pallasite.models.fp4 import FP4Config
 from pallasite.models.tokenizer import train_bpe
 from pallasite.ops.quant import fp4 as q
 from pallasite.ops.quant.fp4_kernel import quantize_rows, resolve_impl
 from pallasite.training import data as data_lib
 from pallasite.training import step as st
+from pallasite.training.config import train_defaults
 from pallasite.training.optim import make_optimizer
 
 FP8_CONTROL = FP4Config(
@@ -96,13 +96,6 @@ SIZES = {  # model, data and schedule per size
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class _ModelConfigFP4(ModelConfig):
-    """ModelConfig plus ``linear_config``, until ModelConfig carries it (issue 11)."""
-
-    linear_config: Any = None
-
-
 def model_config(size: dict, vocab: int, fp4_config: Optional[FP4Config]) -> ModelConfig:
     fields = dict(
         family="llama",
@@ -119,12 +112,7 @@ def model_config(size: dict, vocab: int, fp4_config: Optional[FP4Config]) -> Mod
     )
     if fp4_config is None:
         return ModelConfig(**fields, linear="float")
-    cls = (
-        ModelConfig
-        if "linear_config" in {f.name for f in dataclasses.fields(ModelConfig)}
-        else _ModelConfigFP4
-    )
-    return cls(**fields, linear="fp4", linear_config=fp4_config)
+    return ModelConfig(**fields, linear="fp4", linear_config=fp4_config)
 
 
 # ----------------------------------------------------------------------------- data
@@ -239,52 +227,59 @@ def gpu_gemm_4096() -> dict:
     return {"gemm4096_fp8_s": t8, "gemm4096_bf16_s": t16, "gemm4096_fp8_speedup": t16 / t8}
 
 
-class _Capture(nnx.Module):
-    """Wraps a linear and keeps its last input (eager use only: Table 1 statistics)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.last = nnx.Variable(jnp.zeros((0,)))
-
-    def __call__(self, x):
-        self.last.set_value(x)
-        return self.inner(x)
+TABLE1_SETTINGS = [
+    ("no_clamp", None, False),
+    ("clamp_0.999", 0.999, False),
+    ("comp_0.999", 0.999, True),
+    ("comp_0.99", 0.99, True),
+    ("comp_0.97", 0.97, True),
+]
 
 
-def table1_on_captured(graphdef, state, batch) -> dict:
-    """Paper Table 1 (cos sim, MSE, SNR) on the FFN down-projection inputs of a trained model."""
-    model = nnx.merge(graphdef, state["params"], state["other"])
-    for block in model.layers:
-        block.ffn.down_proj = _Capture(block.ffn.down_proj)
-    model(
-        jnp.asarray(batch["tokens"]),
-        jnp.asarray(batch["positions"]),
-        segment_ids_BT=jnp.asarray(batch["segment_ids"]),
-        return_hidden=True,
-    )
-    ys = [b.ffn.down_proj.last.get_value() for b in model.layers]
-    y = jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in ys]).astype(jnp.float32)
+def table1_stats(y: jax.Array) -> dict:
+    """Paper Table 1 (cos sim, MSE, SNR dB) of E2M1 quantization of rows ``y`` per OCC setting."""
     out = {}
-    for name, alpha, comp in [
-        ("no_clamp", None, False),
-        ("clamp_0.999", 0.999, False),
-        ("comp_0.999", 0.999, True),
-        ("comp_0.99", 0.99, True),
-        ("comp_0.97", 0.97, True),
-    ]:
+    for name, alpha, comp in TABLE1_SETTINGS:
         rq = q.quantize_rows_ref(y, occ_alpha=alpha)
         yq = rq.dequantize() + (rq.residual.astype(jnp.float32) if comp else 0.0)
         err = yq - y
-        cos = jnp.sum(y * yq, -1) / jnp.maximum(
-            jnp.linalg.norm(y, axis=-1) * jnp.linalg.norm(yq, axis=-1), 1e-30
-        )
+        norms = jnp.linalg.norm(y, axis=-1) * jnp.linalg.norm(yq, axis=-1)
         out[name] = {
-            "cos": float(jnp.mean(cos)),
+            "cos": float(jnp.mean(jnp.sum(y * yq, -1) / jnp.maximum(norms, 1e-30))),
             "mse": float(jnp.mean(err**2)),
             "snr_db": float(10 * jnp.log10(jnp.sum(y**2) / jnp.sum(err**2))),
         }
-    kurt = float(jnp.mean(((y - y.mean()) / y.std()) ** 4))
-    return {"table1": out, "captured_rows": int(y.shape[0]), "captured_kurtosis": kurt}
+    return out
+
+
+def table1_on_captured(graphdef, state, batch) -> dict:
+    """Table 1 on the linear inputs of a trained model, read through its own blocks: the taps
+    ``attn.in`` (q/k/v input), ``attn.out`` (o_proj input), ``ffn.in`` (gate/up input), and the
+    down_proj input ``act(gate(u)) ⊙ up(u)`` from each block's own FFN linears on ``ffn.in``."""
+    model = nnx.merge(graphdef, state["params"], state["other"])
+    taps = Taps(capture=("attn.in", "attn.out", "ffn.in"))
+    _, _, _, inter = model.run(
+        jnp.asarray(batch["tokens"]),
+        jnp.asarray(batch["positions"]),
+        segment_ids_BT=jnp.asarray(batch["segment_ids"]),
+        taps=taps,
+    )
+    rows = lambda a: jnp.asarray(a, jnp.float32).reshape(-1, a.shape[-1])  # noqa: E731
+    inputs = {name: rows(inter[name]) for name in taps.capture}
+    down = []
+    for layer, block in enumerate(model.layers):
+        u = inter["ffn.in"][layer]
+        down.append(rows(block.ffn.act(block.ffn.gate_proj(u)) * block.ffn.up_proj(u)))
+    inputs["down_proj.in"] = jnp.concatenate(down)
+    y = inputs["down_proj.in"]
+    return {
+        "table1": table1_stats(y),
+        "captured_rows": int(y.shape[0]),
+        "captured_kurtosis": float(jnp.mean(((y - y.mean()) / y.std()) ** 4)),
+        "table1_snr_by_input": {
+            name: {k: v["snr_db"] for k, v in table1_stats(x).items()} for name, x in inputs.items()
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -494,6 +489,13 @@ def main(argv=None) -> dict:
         )
         for k, v in out["table1"].items():
             print(f"  {k:<12} cos {v['cos']:.4f}  mse {v['mse']:.3e}  snr {v['snr_db']:.2f} dB")
+        print(
+            "SNR (dB) by linear input: "
+            + "; ".join(
+                f"{n}: " + " / ".join(f"{v:.1f}" for v in d.values())
+                for n, d in out["table1_snr_by_input"].items()
+            )
+        )
     if args.plot:
         plot(results, args.plot, f"{out['params'] / 1e6:.1f}M params, {size['steps']} steps")
     print(json.dumps(out))

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallasite.models.layers import register_linear
+from pallasite.models.layers import LinearBase
 from pallasite.ops.quant.fp4 import SCALE_KINDS, SELECTS
 from pallasite.ops.quant.fp4_gemm import W_GRADS, FP4GemmSpec, fp4_matmul
+from pallasite.ops.quant.fp4_grouped import fp4_gmm
 from pallasite.ops.quant.fp4_kernel import IMPLS
 from pallasite.registry import LINEAR
 
@@ -90,11 +91,12 @@ class FP4Config:
 
 
 def fp4_config_of(cfg) -> FP4Config:
-    """The model's FP4 sub-config (``cfg.linear_config``; defaults when absent or None)."""
-    return LINEAR.make_config("fp4", getattr(cfg, "linear_config", None), field="linear_config")
+    """The model's FP4 sub-config (``cfg.linear_config``, validated by ModelConfig; defaults when
+    None)."""
+    return LINEAR.make_config("fp4", cfg.linear_config, field="ModelConfig.linear_config")
 
 
-class FP4Linear(nnx.Module):
+class FP4Linear(LinearBase):
     """y = FP4-GEMM(x, kernel) (+ bias); float master ``kernel [in, out]`` and ``bias``."""
 
     def __init__(
@@ -132,9 +134,13 @@ class FP4Linear(nnx.Module):
             y = y + self.bias[...].astype(self.dtype)
         return y
 
+    @staticmethod
+    def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl: str, cfg) -> jax.Array:
+        """The expert-group form of this kind's GEMM (the MoE expert path calls it):
+        ``ops.quant.fp4_grouped.fp4_gmm`` with the model's FP4 sub-config."""
+        return fp4_gmm(x_MK, w_GKN, group_sizes_G, fp4_config_of(cfg).gemm_spec(), impl)
+
 
 LINEAR.register("fp4", FP4Linear, config=FP4Config)
-# Until ``make_linear`` reads the registry (issue 11), the model's own table needs the kind too.
-register_linear("fp4", FP4Linear)
 
 __all__ = ["FP4Config", "FP4Linear", "fp4_config_of", "BITS_FMT"]

@@ -109,8 +109,9 @@ def kth_largest_bisect(a: jax.Array, kth: int) -> jax.Array:
     """The ``kth`` largest (1-based) of non-negative ``a`` per row, [..., 1]: bisection on the
     int32 bit pattern (monotone for non-negative floats), 31 count passes; equals lax.top_k."""
     bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
-    lo = jnp.zeros(a.shape[:-1] + (1,), jnp.int32)  # count(bits >= lo) >= kth always
-    hi = jnp.full(a.shape[:-1] + (1,), 0x7F800001, jnp.int32)  # count(bits >= hi) < kth (no NaN)
+    # the carry derives from ``bits`` so it has its sharding/varying type (inside shard_map too)
+    lo = jnp.zeros_like(bits[..., :1])  # count(bits >= lo) >= kth always
+    hi = jnp.full_like(bits[..., :1], 0x7F800001)  # count(bits >= hi) < kth (no NaN)
 
     def body(_, c):
         lo, hi = c

@@ -26,6 +26,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from pallasite.ops import dispatch
 from pallasite.ops.quant import fp4
 from pallasite.ops.quant.fp4_kernel import quantize_rows, resolve_impl
 
@@ -64,7 +65,7 @@ class FP4GemmSpec:
 def operand_dtype(spec: FP4GemmSpec):
     kind = spec.gemm_dtype
     if kind == "auto":
-        kind = "float8" if jax.default_backend() == "gpu" else "bfloat16"
+        kind = "float8" if dispatch.platform() == "gpu" else "bfloat16"
     return None if kind == "float8" else jnp.dtype(kind)
 
 

@@ -6,17 +6,19 @@ residual ΔY) -> row absmax -> scale (exact or power of two) -> E2M1 (or E4M3) r
 values as FP8 E4M3 plus the dequant scale 1/sf per row. The arithmetic is the reference's own
 (``fp4.quantize_block``), so the kernel equals ``quantize_rows_ref`` bit for bit.
 
-Variants, picked by backend (``variant=None``):
+Variants, picked by ``ops.dispatch.pick_variant(interpret)`` like every kernel (docs/kernels.md):
 
-* ``"gpu"`` (Triton): K zero-padded to a power of two, ``block_rows`` a power of two sized so a
-  block stays near 8K elements (registers).
-* ``"tpu"`` (Mosaic): K padded to a multiple of 128 (lanes), ``block_rows`` a multiple of 8
-  (sublanes) sized for a ~4 MiB VMEM working set, ``dimension_semantics=("parallel",)``.
-* On CPU either runs in interpret mode (``interpret=None`` decides; ``ops.common``).
+* GPU (Triton, ``triton_params``): K zero-padded to a power of two, ``block_rows`` a power of two
+  sized so a block stays near 8K elements (registers).
+* TPU (Mosaic): K padded to a multiple of 128 (lanes), ``block_rows`` a multiple of 32 (sublanes
+  of the 8-bit output) sized for a ~4 MiB VMEM working set, ``dimension_semantics=("parallel",)``.
+* CPU: the GPU layout in the generic interpreter; ``pltpu.InterpretParams`` runs the TPU variant
+  in the TPU interpreter.
 
 Zero padding is exact: padded columns neither change the absmax nor the k-th largest |x| (k ≤ K),
 padded rows are sliced away. Scales and thresholds are written lane-dense ([rows, 128]) and the
-wrapper keeps column 0. Not yet run on GPU/TPU hardware (no device in this session).
+wrapper keeps column 0. Both variants are in the compile matrix (``benchmarks/kernel_matrix.py``);
+neither has run on GPU/TPU hardware yet.
 """
 
 from __future__ import annotations
@@ -29,16 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallasite.ops.common import default_interpret, next_pow2, pad_axis, round_up
+from pallasite.ops import dispatch
+from pallasite.ops.common import next_pow2, pad_axis, round_up
 from pallasite.ops.quant import fp4
 
 LANES = 128
 IMPLS = ("auto", "ref", "pallas")
-VARIANTS = ("gpu", "tpu")
-
-
-def default_variant() -> str:
-    return "tpu" if jax.default_backend() == "tpu" else "gpu"
 
 
 def _block_shape(n_rows: int, k: int, variant: str) -> tuple[int, int]:
@@ -48,10 +46,9 @@ def _block_shape(n_rows: int, k: int, variant: str) -> tuple[int, int]:
         rows = max(1, min(16, 8192 // kp))
         return 1 << (rows.bit_length() - 1), kp
     kp = round_up(k, LANES)
-    rows = max(
-        8, min(256, (4 << 20) // (kp * 16) // 8 * 8)
-    )  # in f32 + q + residual, double-buffered
-    return min(rows, round_up(n_rows, 8)), kp
+    # x f32 + q 8-bit + residual, double-buffered; rows a multiple of 32 (8-bit sublane tiling)
+    rows = max(32, min(256, (4 << 20) // (kp * 16) // 32 * 32))
+    return min(rows, round_up(n_rows, 32)), kp
 
 
 def _kernel(x_ref, q_ref, d_ref, *occ_refs, fmt, scale, kth):
@@ -68,9 +65,7 @@ def _kernel(x_ref, q_ref, d_ref, *occ_refs, fmt, scale, kth):
         t_ref[...] = jnp.broadcast_to(threshold, t_ref.shape)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("fmt", "scale", "occ_alpha", "q_dtype", "variant", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("fmt", "scale", "occ_alpha", "q_dtype", "interpret"))
 def quantize_rows_pallas(
     x_NK: jax.Array,
     *,
@@ -78,19 +73,16 @@ def quantize_rows_pallas(
     scale: str = "exact",
     occ_alpha: Optional[float] = None,
     q_dtype=jnp.float8_e4m3fn,
-    variant: Optional[str] = None,
-    interpret: Optional[bool] = None,
+    interpret=None,
 ) -> fp4.RowQuant:
-    """The fused kernel on 2-D rows ``x [N, K]``; same outputs as ``fp4.quantize_rows_ref``."""
+    """The fused kernel on 2-D rows ``x [N, K]``; same outputs as ``fp4.quantize_rows_ref``.
+    ``interpret``: None (by platform), True, False or a ``pltpu.InterpretParams``."""
     fp4.check_format(fmt, scale)
     if x_NK.ndim != 2:
         raise ValueError(f"quantize_rows_pallas: expected x [N, K], got shape {x_NK.shape}")
-    variant = default_variant() if variant is None else variant
-    if variant not in VARIANTS:
-        raise ValueError(f"quantize_rows_pallas: variant={variant!r}; expected one of {VARIANTS}")
-    interpret = default_interpret() if interpret is None else interpret
+    variant = dispatch.pick_variant(interpret)
     N, K = x_NK.shape
-    bm, kp = _block_shape(N, K, variant)
+    bm, kp = _block_shape(N, K, variant.kind)
     np_ = round_up(N, bm)
     x = pad_axis(pad_axis(x_NK, 0, np_), 1, kp)
     kth = None if occ_alpha is None else fp4.n_clamped(occ_alpha, K) + 1
@@ -107,18 +99,19 @@ def quantize_rows_pallas(
             jax.ShapeDtypeStruct((np_, LANES), jnp.float32),
         ]
         out_specs += [row_block, lane_block]
-    params = {}
-    if variant == "tpu":  # also under interpret (True, or pltpu.InterpretParams(): TPU semantics)
-        params["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel",))
+    if variant.kind == "tpu":
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+    else:
+        params = dispatch.triton_params(variant.interpret)
     outs = pl.pallas_call(
         functools.partial(_kernel, fmt=fmt, scale=scale, kth=kth),
         grid=(np_ // bm,),
         in_specs=[row_block],
         out_specs=out_specs,
         out_shape=out_shape,
-        interpret=interpret,
+        interpret=variant.interpret,
+        compiler_params=params,
         name="fp4_quantize_rows",
-        **params,
     )(x)
     q, inv = outs[0][:N, :K], outs[1][:N, :1]
     if kth is None:
@@ -130,7 +123,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"fp4 quantizer impl={impl!r}; expected one of {IMPLS}")
     if impl == "auto":  # interpret-mode Pallas on CPU proves correctness, not speed
-        return "ref" if jax.default_backend() == "cpu" else "pallas"
+        return "ref" if dispatch.platform() == "cpu" else "pallas"
     return impl
 
 
@@ -143,8 +136,7 @@ def quantize_rows(
     select: str = "auto",
     impl: str = "auto",
     q_dtype=jnp.float8_e4m3fn,
-    variant: Optional[str] = None,
-    interpret: Optional[bool] = None,
+    interpret=None,
 ) -> fp4.RowQuant:
     """Quantize the rows of ``x [..., K]`` (per-row absmax scales, optional OCC): the reference or
     the fused Pallas kernel (``impl``); leading axes are kept."""
@@ -161,7 +153,6 @@ def quantize_rows(
             scale=scale,
             occ_alpha=occ_alpha,
             q_dtype=q_dtype,
-            variant=variant,
             interpret=interpret,
         )
     return fp4.RowQuant(*(None if a is None else a.reshape(*lead, a.shape[-1]) for a in rq))
@@ -171,7 +162,5 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_pallas",
     "resolve_impl",
-    "default_variant",
     "IMPLS",
-    "VARIANTS",
 ]

@@ -1,6 +1,6 @@
 """Device check of the FP4 training ops (compiled, not interpreted) against their references.
 
-    python -m pallasite.ops.quant.fp4_gpu_check        # one line per check, then one JSON line
+    python -m pallasite.benchmarks.gpu_check_fp4        # one line per check, then one JSON line
 
 Checks: the fused Pallas quantizer (the backend's variant) equals ``quantize_rows_ref`` bit for bit
 on odd shapes, with and without OCC, both scale kinds; ``fp4_dot`` with FP8 operands
@@ -13,25 +13,33 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.benchmarks.timing import median_time
+from pallasite.ops import dispatch
 from pallasite.ops.quant import fp4
 from pallasite.ops.quant.fp4_gemm import FP4GemmSpec, fp4_dot
-from pallasite.ops.quant.fp4_kernel import default_variant, quantize_rows_pallas
+from pallasite.ops.quant.fp4_kernel import quantize_rows_pallas
 
 
-def median_time(fn, *args, iters: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def _f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _equal(a, b) -> bool:
+    """Bitwise-equal values in numpy (NaN never equals: XLA:CPU's max can drop NaN)."""
+    a, b = _f32(a), _f32(b)
+    return a.shape == b.shape and bool(np.isfinite(a).all()) and bool(np.array_equal(a, b))
+
+
+def _rel_err(a, b) -> float:
+    a, b = _f32(a), _f32(b)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
 def main() -> int:
@@ -45,17 +53,17 @@ def main() -> int:
         flush=True,
     )
     shapes = [(37, 200), (8, 1000)] if on_cpu else [(37, 200), (4096, 4096), (1000, 11008)]
-    failures, res = 0, {"backend": jax.default_backend(), "variant": default_variant()}
+    failures, res = (
+        0,
+        {"backend": jax.default_backend(), "variant": dispatch.pick_variant(None).kind},
+    )
     for n, k in shapes:
         x = (jax.random.t(jax.random.PRNGKey(n), 3.0, (n, k)) * 0.1).astype(jnp.bfloat16)
         for occ in (None, 0.99):
             for scale in fp4.SCALE_KINDS:
                 got = quantize_rows_pallas(x, scale=scale, occ_alpha=occ)
                 ref = fp4.quantize_rows_ref(x, scale=scale, occ_alpha=occ, select="top_k")
-                ok = all(
-                    a is None or bool(jnp.array_equal(a.astype(jnp.float32), b.astype(jnp.float32)))
-                    for a, b in zip(got, ref)
-                )
+                ok = all(a is None or _equal(a, b) for a, b in zip(got, ref))
                 failures += not ok
                 print(
                     f"quantizer {n}x{k} occ={occ} scale={scale}: {'ok' if ok else 'MISMATCH'}",
@@ -75,14 +83,8 @@ def main() -> int:
         )
         outs[kind] = fn(x, w, g)
         res[f"fp4_dot_fwd_bwd_{kind}_s"] = median_time(fn, x, w, g, iters=5)
-    fwd_ok = bool(jnp.array_equal(outs["float8"][0], outs["bfloat16"][0]))
-    bwd_err = max(
-        float(
-            jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-            / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30)
-        )
-        for a, b in zip(outs["float8"][1:], outs["bfloat16"][1:])
-    )
+    fwd_ok = _equal(outs["float8"][0], outs["bfloat16"][0])
+    bwd_err = max(_rel_err(a, b) for a, b in zip(outs["float8"][1:], outs["bfloat16"][1:]))
     failures += (not fwd_ok) + (bwd_err > 1e-2)
     print(
         f"fp4_dot float8 vs bf16 operands: forward {'equal' if fwd_ok else 'DIFFERENT'}, "
