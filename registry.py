@@ -29,7 +29,8 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
     "decode_strategy": {"sample": "pallasite.inference.engine"},
     "loss": {"lm": "pallasite.training.losses.lm"},
-    "hf_model_type": {**{t: "pallasite.models.hf_config" for t in ("llama", "mistral", "qwen2", "qwen3")},
+    "hf_model_type": {**{t: "pallasite.models.hf_config" for t in ("llama", "mistral", "qwen2", "qwen3",
+                                                                   "gemma3_text")},
                       **{t: "pallasite.models.hf_moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}},
     "hf_ffn": {"dense": "pallasite.models.hf", "moe": "pallasite.models.hf_moe"},
 }
