@@ -275,7 +275,7 @@ def _gemma3_to_hf(cfg):
     _reject(cfg, "gemma3_text", mlp_bias=False, o_bias=cfg.qkv_bias,
             **{k: v for k, v in GEMMA3_FLAGS.items() if k != "family"})
     out = dense_config_to_hf(cfg)
-    out["hidden_activation"] = _ACT_HF[out.pop("hidden_act")]
+    out["hidden_activation"] = out.pop("hidden_act")  # (already the HF spelling)
     glob = out["rope_parameters"]
     loc = dict(glob) if cfg.rope_local_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
     out["rope_parameters"] = {"full_attention": glob, "sliding_attention": loc}

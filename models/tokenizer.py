@@ -159,7 +159,7 @@ def byte_level_bpe_tokenizer(v: GGUFVocab, splits: Sequence[str]):
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return _finish(tok, v, [t for t, ty in zip(v.tokens, v.types) if ty == TOKEN_USER_DEFINED])
+    return _finish(tok, v, [(t, False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_USER_DEFINED])
 
 
 def sentencepiece_pieces(v: GGUFVocab) -> list[str]:
@@ -202,20 +202,21 @@ def sentencepiece_bpe_tokenizer(v: GGUFVocab):
     if v.add_space_prefix:
         decode.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(decode)
-    # USER_DEFINED pieces are matched whole, except the respelled whitespace runs: "▁▁" can only
-    # occur after normalisation, and its top-ranked merges produce it.
-    user = [t for t, p, ty in zip(v.tokens, pieces, v.types) if ty == TOKEN_USER_DEFINED and t == p]
+    # USER_DEFINED pieces are matched whole, longest first, as SentencePiece's prefix matcher does;
+    # the respelled whitespace runs ("▁▁", ...) exist only after normalisation, so they are matched
+    # there (a run longer than the longest piece is cut greedily, 31 + rest for Gemma 3).
+    user = [(p, p != t) for t, p, ty in zip(v.tokens, pieces, v.types) if ty == TOKEN_USER_DEFINED]
     return _finish(tok, v, user)
 
 
-def _finish(tok, v: GGUFVocab, user_defined: Sequence[str]):
-    """Added tokens (CONTROL: special, USER_DEFINED: plain; both matched whole in the raw text),
-    bos/eos post-processing and the transformers wrapper."""
+def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
+    """Added tokens (CONTROL: special, matched in the raw text; USER_DEFINED ``(piece, matched in
+    the normalised text)``: plain), bos/eos post-processing and the transformers wrapper."""
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
     control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t in user_defined]
+    user = [AddedToken(t, special=False, normalized=norm) for t, norm in user_defined]
     tok.add_special_tokens(control)
     tok.add_tokens(user)
     bos, eos = v.token(v.bos_id), v.token(v.eos_id)
