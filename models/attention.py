@@ -71,7 +71,8 @@ class Attention(nnx.Module):
             sliding = cfg.layer_types[layer] == "sliding"
             return None, cfg.layer_windows[layer], (local_rope if sliding else ctx.rope)
         if ctx.layer is None:
-            raise ValueError("Attention: a model with mixed layer_types needs ctx.layer (the layer index)")
+            raise ValueError("Attention: a model with mixed layer_types needs ctx.layer "
+                             "(the layer index)")
         is_local = jnp.asarray(np.array([t == "sliding" for t in cfg.layer_types]))[ctx.layer]
         rope = tuple(jnp.where(is_local, lo, gl) for lo, gl in zip(local_rope, ctx.rope))
         return is_local, cfg.sliding_window, rope
@@ -101,12 +102,13 @@ class Attention(nnx.Module):
             def run(q, k, v, cache):
                 if cache is None:
                     out = attention(
-                        q, k, v, q_positions_BT=positions_BT, k_positions_BS=positions_BT, causal=True,
-                        sliding_window=window, q_segment_ids_BT=ctx.segment_ids_BT,
+                        q, k, v, q_positions_BT=positions_BT, k_positions_BS=positions_BT,
+                        causal=True, sliding_window=window, q_segment_ids_BT=ctx.segment_ids_BT,
                         k_segment_ids_BS=ctx.segment_ids_BT, impl=cfg.attention_impl,
                     )
                     return out, None
-                return cache.update_and_attend(q, k, v, positions_BT, sliding_window=window, impl=cfg.attention_impl)
+                return cache.update_and_attend(q, k, v, positions_BT, sliding_window=window,
+                                               impl=cfg.attention_impl)
             return run
 
         if is_local is None:

@@ -3,7 +3,8 @@
 Families are flags, not forks: llama (Llama 2/3, llama3 RoPE scaling, SmolLM2), mistral (sliding
 window), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), gemma3_text (``GEMMA3_FLAGS``: (1 + w)
 RMSNorm, sandwich norms, √d-scaled embeddings, query_pre_attn_scalar, interleaved local/global
-layers with their own RoPE bases, GeGLU) and the MoE families of ``models/hf_moe.py``. Methods plug in through the seams, each validated against its registry
+layers with their own RoPE bases, GeGLU) and the MoE families of ``models/hf_moe.py``.
+Methods plug in through the seams, each validated against its registry
 (``pallasite.registry``): ``ffn`` + ``ffn_config``, ``linear`` + ``linear_config``, ``kv_cache`` +
 ``kv_cache_config`` (the model's default serving cache) and ``attention_impl``. A ``*_config`` is
 the sub-config dataclass the kind registered (None -> its defaults; a mapping is validated).
@@ -24,7 +25,7 @@ SEAMS = (("ffn", "ffn_config", registry.FFN), ("linear", "linear_config", regist
          ("kv_cache", "kv_cache_config", registry.KV_CACHE))
 REMAT_KINDS = ("none", "full", "dots")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
-LAYER_TYPES = ("full", "sliding")  # per-layer attention: global causal | causal within sliding_window
+LAYER_TYPES = ("full", "sliding")  # per layer: global causal | causal within sliding_window
 
 
 def _freeze(value: Any) -> Any:
@@ -66,11 +67,11 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     qk_norm_scope: str = "head"  # head: RMSNorm per head (Qwen3) | full: over the whole q/k projection (OLMoE)
-    sliding_window: Optional[int] = None  # Mistral: every layer; with layer_types only "sliding" ones
+    sliding_window: Optional[int] = None  # Mistral: every layer; with layer_types: "sliding" ones
     hidden_act: str = "silu"
     # Gemma 2/3 (all off by default, so other families are unchanged)
     layer_types: Optional[tuple] = None  # per layer "full" | "sliding"; None: all layers alike
-    rope_local_theta: Optional[float] = None  # RoPE base of "sliding" layers (None: rope_theta + scaling)
+    rope_local_theta: Optional[float] = None  # RoPE base of "sliding" layers (None: as global)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
     sandwich_norm: bool = False  # also norm the attention / FFN outputs before the residual add
     scale_embeddings: bool = False  # embedding output times sqrt(d_model), in the compute dtype
@@ -123,7 +124,7 @@ class ModelConfig:
 
     @property
     def mixed_layers(self) -> bool:
-        """True when layers differ in attention (window and RoPE base): per-layer type is data then."""
+        """True when layers differ in attention (window, RoPE base): layer type is data then."""
         return self.layer_types is not None and len(set(self.layer_types)) > 1
 
     @property
@@ -212,8 +213,8 @@ class ModelConfig:
 
 # Gemma 3 text (transformers' Gemma3ForCausalLM): the flags every gemma3_text config sets; the
 # shapes, layer_types, window and RoPE bases come from its config.json / GGUF metadata.
-GEMMA3_FLAGS = dict(family="gemma3_text", norm_unit_offset=True, sandwich_norm=True, scale_embeddings=True,
-                    qk_norm=True, qk_norm_scope="head")
+GEMMA3_FLAGS = dict(family="gemma3_text", norm_unit_offset=True, sandwich_norm=True,
+                    scale_embeddings=True, qk_norm=True, qk_norm_scope="head")
 
 
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple:

@@ -1,46 +1,20 @@
 """GGUF (llama.cpp) checkpoints → pallasite: dequantised weights, config and tokenizer.
 
-    cfg, state, tokenizer = import_gguf(smollm2_gguf_path())       # SmolLM2-135M-Instruct, Q4_1
-    cfg, state, tokenizer = import_gguf(offline_model_path("gemma3-270m"))  # Gemma 3 270M, Q4_K_M
+    cfg, state, tokenizer = import_gguf(offline_model_path("gemma3-270m"))  # or "smollm2-135m"
 
-The file is read with ``models/gguf_reader.py`` (one memmap; the ``gguf`` package's ``GGUFReader``
-is ~70x slower on a 262k vocabulary) and every tensor — F32/F16, legacy quants (Q4_0/Q4_1/Q5_0/
-Q8_0, ...) and K-quants (Q4_K/Q6_K, ...) — dequantised with ``gguf.quants.dequantize`` to float32
-(blocks hold f16 scales, so float32 holds the dequantised values exactly), then cast to ``dtype``. Architectures are a table
-(``GGUF_ARCHITECTURES``, ``register_gguf_architecture``): ``llama`` (Llama 2/3, SmolLM, Mistral-as-
-llama) and ``gemma3`` (text); anything else fails naming the architecture.
-
-Layout differences with Hugging Face / pallasite, undone here:
-
-* GGUF lists tensor dims fastest-first (``ne0`` = in-features); the reader's numpy view is
-  ``[out, in]`` like HF, and our ``Linear.kernel`` is ``[in, out]`` (transpose).
-* llama: ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q``/``attn_k`` so that its rotary
-  kernel can rotate adjacent pairs (GPT-J style) instead of HF's halves:
-  ``w.reshape(H, 2, Dh/2, D).swapaxes(1, 2)``. We invert it
-  (``w.reshape(H, Dh/2, 2, D).swapaxes(1, 2)``) with H = n_heads for q, n_kv_heads for k.
-  gemma3 is not permuted (llama.cpp rotates it NeoX-style, i.e. halves).
-* gemma3: the converter stores every ``*norm.weight`` as 1 + w (``Gemma3Model.norm_shift``, so
-  llama.cpp's plain RMSNorm multiplies by it); we subtract 1 (pallasite keeps HF's w and applies
-  1 + w, ``models/layers.py``). Hyper-parameters llama.cpp hard-codes for gemma3 are taken the same
-  way: one global layer in 6, local RoPE base 10k (unless ``rope.freq_base_swa``), attention scale
-  head_dim ** -0.5 except for the 62-layer 27B (d_model / n_heads), embeddings × sqrt(d_model).
-* Tied embeddings: no ``output.weight`` tensor means the head is ``token_embd``.
-* Llama 3.1-style files carry RoPE scaling as a ``rope_freqs.weight`` tensor of per-frequency
-  divisors instead of the four llama3 parameters; that form is refused (clear error) unless
-  all factors are 1. ``rope.scaling.type = linear`` is supported (gemma3: global layers only).
-
-The tokenizer (``tokenizer_from_gguf``) is rebuilt with the ``tokenizers`` library alone
-(``models/tokenizer.py``): ``tokenizer.ggml.model = gpt2`` is byte-level BPE from the tokens and
-merges, ``llama`` is SentencePiece BPE (tokens, scores, types, byte fallback; Gemma 3); tokens of
-type CONTROL become special added tokens, USER_DEFINED ones plain added tokens; bos/eos/pad/unk
-from the ``tokenizer.ggml.*_token_id`` keys; ``tokenizer.chat_template`` if present; BOS prepended
-only when ``tokenizer.ggml.add_bos_token`` says so. The byte-level pre-tokenizer follows llama.cpp's
-``tokenizer.ggml.pre``: for ``smollm`` (and the StarCoder group) digits are isolated (``\\p{N}``)
-before the GPT-2 split regex, as in llama.cpp's ``llama-vocab.cpp`` and SmolLM2's tokenizer.json.
-Deviation from transformers (5.24) there: its converter has no ``smollm`` entry and falls back to
-the plain GPT-2 split; on non-ASCII numerics after a space (" ½") it merges the space with the
-first byte while llama.cpp and we keep the numeric whole (tests pin both). The offline models
-(``smollm2_gguf_path``, ``gemma3_gguf_path``, ``offline_model_path``) live in ``models/offline.py``.
+Read with ``models/gguf_reader.py``; every tensor type (F32/F16, legacy and K-quants) is
+dequantised to float32 with ``gguf.quants.dequantize`` (exact: blocks hold f16 scales), then cast
+to ``dtype``. Architectures are a table (``GGUF_ARCHITECTURES``): ``llama`` and ``gemma3``. What
+llama.cpp's converter changed is undone: dims are fastest-first (our view is ``[out, in]``;
+kernels are ``[in, out]``); llama's q/k rows are permuted for pair-wise rotary
+(``unpermute_rotary``; gemma3 is not permuted); gemma3 norms are stored as 1 + w (1 is
+subtracted). gemma3 hyper-parameters llama.cpp hard-codes are taken as it takes them (one global
+layer in 6, local RoPE base 10k, attention scale head_dim ** -0.5 except the 62-layer 27B). No
+``output.weight`` means a tied head; ``rope_freqs.weight`` (Llama 3.1 scaling) is refused unless
+all ones. The tokenizer is rebuilt with ``tokenizers`` alone (``models/tokenizer.py``): ``gpt2`` =
+byte-level BPE with llama.cpp's ``tokenizer.ggml.pre`` splits (``smollm`` isolates digits, where
+transformers' converter uses the plain GPT-2 split: " ½" differs, tests pin both), ``llama`` =
+SentencePiece BPE. docs/models.md and docs/checkpoints.md have the details and measurements.
 """
 
 from __future__ import annotations
@@ -56,11 +30,11 @@ from flax import nnx
 from pallasite.models.config import GEMMA3_FLAGS, ModelConfig, gemma3_layer_types
 from pallasite.models.gguf_reader import GGUFFile
 from pallasite.models.hf import CheckpointMismatchError
-from pallasite.models.offline import (GEMMA3_PIP, OFFLINE_MODELS, SMOLLM2_PIP, cache_dir,  # noqa: F401
-                                      gemma3_gguf_path, offline_model_path, smollm2_gguf_path)
-from pallasite.models.tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN,  # noqa: F401
-                                        TOKEN_UNUSED, TOKEN_USER_DEFINED, GGUFVocab, byte_level_bpe_tokenizer,
-                                        bytes_to_unicode, sentencepiece_bpe_tokenizer)
+from pallasite.models.offline import (  # noqa: F401  (re-exported: the offline models)
+    GEMMA3_PIP, OFFLINE_MODELS, SMOLLM2_PIP, cache_dir, gemma3_gguf_path, offline_model_path, smollm2_gguf_path)
+from pallasite.models.tokenizer import (  # noqa: F401  (token types re-exported)
+    TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, GGUFVocab,
+    byte_level_bpe_tokenizer, bytes_to_unicode, sentencepiece_bpe_tokenizer)
 from pallasite.models.transformer import abstract_model
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -92,7 +66,8 @@ def gguf_metadata(reader, *, skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merg
                                    "tokenizer.ggml.scores")) -> dict[str, Any]:
     """Metadata as plain Python values (the large token arrays skipped)."""
     fields = _reader(reader).fields
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in fields.items() if k not in skip}
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+            for k, v in fields.items() if k not in skip}
 
 
 class _Meta:
@@ -117,7 +92,8 @@ class _Meta:
 def _common_config(get: _Meta, n_tokens: Optional[int]) -> dict:
     """ModelConfig kwargs every decoder-only GGUF architecture states the same way."""
     if get("expert_count", 0):
-        raise ValueError(f"GGUF: mixture-of-experts files ({get.arch}.expert_count={get('expert_count')}) "
+        raise ValueError(f"GGUF: mixture-of-experts files "
+                         f"({get.arch}.expert_count={get('expert_count')}) "
                          "are not supported")
     d = int(get("embedding_length", required=True))
     n_heads = int(get("attention.head_count", required=True))
@@ -138,7 +114,8 @@ def _common_config(get: _Meta, n_tokens: Optional[int]) -> dict:
         raise ValueError(f"GGUF: rope.scaling.type {stype!r} is not supported; expected none | linear")
     vocab = get("vocab_size", n_tokens)
     if vocab is None:
-        raise ValueError(f"GGUF metadata: neither {get.arch}.vocab_size nor tokenizer.ggml.tokens is present")
+        raise ValueError(f"GGUF metadata: neither {get.arch}.vocab_size nor tokenizer.ggml.tokens "
+                         "is present")
     eos = get.tok_id("eos")
     return dict(
         vocab_size=int(vocab), d_model=d, n_layers=int(get("block_count", required=True)), n_heads=n_heads,
@@ -146,7 +123,8 @@ def _common_config(get: _Meta, n_tokens: Optional[int]) -> dict:
         norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_seq_len=int(get("context_length", 2048)),
-        bos_token_id=get.tok_id("bos"), eos_token_id=None if eos is None else (eos,), pad_token_id=get.tok_id("padding"),
+        bos_token_id=get.tok_id("bos"), eos_token_id=None if eos is None else (eos,),
+        pad_token_id=get.tok_id("padding"),
     )
 
 
@@ -157,19 +135,21 @@ def _llama_config(get: _Meta, n_tokens: Optional[int]) -> ModelConfig:
 def _gemma3_config(get: _Meta, n_tokens: Optional[int]) -> ModelConfig:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if get(key, 0.0):  # llama.cpp reads 0 as "none"
-            raise ValueError(f"GGUF: {get.arch}.{key}={get(key)} is not supported (no logit soft-capping)")
+            raise ValueError(f"GGUF: {get.arch}.{key}={get(key)} is not supported "
+                             "(no logit soft-capping)")
     kw = _common_config(get, n_tokens)
     n = kw["n_layers"]
     pattern = get("attention.sliding_window_pattern", 6)
     if not isinstance(pattern, int):
-        raise ValueError(f"GGUF: {get.arch}.attention.sliding_window_pattern={pattern!r}; only an int is supported")
+        raise ValueError(f"GGUF: {get.arch}.attention.sliding_window_pattern={pattern!r}; "
+                         "only an int is supported")
     window = get("attention.sliding_window")
-    types = gemma3_layer_types(n, pattern) if window else ("full",) * n  # llama.cpp: no window, no SWA
-    # llama.cpp's gemma3 hparams: the 27B (62 layers) scales by d_model / n_heads, the rest by head_dim.
+    types = gemma3_layer_types(n, pattern) if window else ("full",) * n  # llama.cpp: no window: no SWA
+    # llama.cpp's gemma3 hparams: the 27B (62 layers) scales by d_model / n_heads, others by head_dim.
     qpas = kw["d_model"] // kw["n_heads"] if n == 62 else kw["head_dim"]
     return ModelConfig(**kw, **GEMMA3_FLAGS, hidden_act="gelu", layer_types=types,
                        sliding_window=int(window) if window else None,
-                       rope_local_theta=_f32(get("rope.freq_base_swa", 10000.0)) if window else None,
+                       rope_local_theta=(_f32(get("rope.freq_base_swa", 10000.0)) if window else None),
                        query_pre_attn_scalar=float(qpas))
 
 
@@ -200,7 +180,8 @@ def register_gguf_architecture(arch: GGUFArchitecture) -> None:
 def _architecture(meta: dict) -> GGUFArchitecture:
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {list(GGUF_ARCHITECTURES)}")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; "
+                         f"supported: {list(GGUF_ARCHITECTURES)}")
     return GGUF_ARCHITECTURES[arch]
 
 
@@ -257,7 +238,8 @@ _TOP = [(("embed", "embedding"), "token_embd.weight", False),
         (("lm_head", "kernel"), "output.weight", True)]
 
 register_gguf_architecture(GGUFArchitecture("llama", _llama_config, _LLAMA_BLOCK))
-register_gguf_architecture(GGUFArchitecture("gemma3", _gemma3_config, _GEMMA3_BLOCK, norm_offset=1.0))
+register_gguf_architecture(GGUFArchitecture("gemma3", _gemma3_config, _GEMMA3_BLOCK,
+                                            norm_offset=1.0))
 
 
 def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_tokenizer: bool = True):
@@ -292,7 +274,8 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
 
     big = {n for n in ("token_embd.weight", "output.weight") if n in tensors}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        dequantized = dict(pool.map(lambda t: (t.name, t.dequantize()), [t for n, t in tensors.items() if n not in big]))
+        small = [t for n, t in tensors.items() if n not in big]
+        dequantized = dict(pool.map(lambda t: (t.name, t.dequantize()), small))
 
     def read(name: str, shape_out_in: tuple) -> np.ndarray:
         if name not in tensors:
@@ -313,7 +296,8 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
     known = {p for p, *_ in arch.block}
     unknown = sorted(set(layer_shapes) - known)
     if unknown:
-        raise CheckpointMismatchError(f"GGUF import ({arch.name}): no mapping for pallasite block parameters {unknown}")
+        raise CheckpointMismatchError(f"GGUF import ({arch.name}): no mapping for pallasite block "
+                                      f"parameters {unknown}")
 
     def param(x):  # the one copy into a parameter
         return jnp.asarray(x, dtype=param_dtype)
@@ -337,7 +321,8 @@ def import_gguf(path, *, dtype=None, scan_layers: Optional[bool] = None, with_to
         per_layer.append(layer)
     extra = sorted(set(tensors) - consumed)
     if extra:
-        raise CheckpointMismatchError(f"GGUF: {len(extra)} unexpected tensor(s) for a {arch.name} model: {extra[:20]}")
+        raise CheckpointMismatchError(f"GGUF: {len(extra)} unexpected tensor(s) for a {arch.name} "
+                                      f"model: {extra[:20]}")
     if cfg.scan_layers:
         for rel in layer_shapes:
             values[("layers",) + rel] = param(np.stack([layer.pop(rel) for layer in per_layer]))
@@ -368,14 +353,17 @@ def gguf_vocab(path_or_reader: Union[str, Any]) -> tuple[str, GGUFVocab]:
     tokens = tuple(get("tokens"))
     types = tuple(get("token_type", [TOKEN_NORMAL] * len(tokens)))
     merges = get("merges")
-    ident = lambda name: None if get(f"{name}_token_id") is None else int(get(f"{name}_token_id"))  # noqa: E731
+    def ident(name):
+        return None if get(f"{name}_token_id") is None else int(get(f"{name}_token_id"))
+
     template = fields.get("tokenizer.chat_template")
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
     add_bos = bool(get("add_bos_token", kind == "llama"))
-    return kind, GGUFVocab(tokens=tokens, types=types, merges=None if merges is None else tuple(merges),
-                           pre=get("pre", "default"), bos_id=ident("bos"), eos_id=ident("eos"), unk_id=ident("unknown"),
-                           pad_id=ident("padding"), add_bos=add_bos, add_eos=bool(get("add_eos_token", False)),
-                           add_space_prefix=bool(get("add_space_prefix", False)), chat_template=template)
+    return kind, GGUFVocab(
+        tokens=tokens, types=types, merges=None if merges is None else tuple(merges),
+        pre=get("pre", "default"), bos_id=ident("bos"), eos_id=ident("eos"), unk_id=ident("unknown"),
+        pad_id=ident("padding"), add_bos=add_bos, add_eos=bool(get("add_eos_token", False)),
+        add_space_prefix=bool(get("add_space_prefix", False)), chat_template=template)
 
 
 def tokenizer_from_gguf(path_or_reader: Union[str, Any]):
@@ -383,7 +371,8 @@ def tokenizer_from_gguf(path_or_reader: Union[str, Any]):
     ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece BPE with byte fallback)."""
     kind, vocab = gguf_vocab(path_or_reader)
     if kind == "gpt2":
-        return byte_level_bpe_tokenizer(vocab, PRE_TOKENIZER_SPLITS.get(vocab.pre, PRE_TOKENIZER_SPLITS["default"]))
+        splits = PRE_TOKENIZER_SPLITS.get(vocab.pre, PRE_TOKENIZER_SPLITS["default"])
+        return byte_level_bpe_tokenizer(vocab, splits)
     if kind == "llama":
         return sentencepiece_bpe_tokenizer(vocab)
     raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; expected 'gpt2' (byte-level BPE) or "

@@ -2,7 +2,7 @@
 
     f = GGUFFile("model.gguf")
     f.fields["general.architecture"]                   # 'gemma3'
-    t = f.tensor("token_embd.weight"); t.shape, t.qtype  # numpy order ([out, in]), GGMLQuantizationType
+    t = f.tensor("token_embd.weight")                  # t.shape: numpy order ([out, in]); t.qtype
     w = t.dequantize()                                 # float32 [out, in] (gguf.quants.dequantize)
 
 Format (GGUF v2/v3, little-endian; llama.cpp's gguf.md): magic "GGUF", version u32, tensor count
@@ -26,8 +26,19 @@ import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
-_NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-            10: "<u8", 11: "<i8", 12: "<f8"}  # 7: bool (one byte)
+_NUMERIC = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}  # 7: bool (one byte)
 _BOOL = 7
 
 
@@ -62,7 +73,10 @@ class GGUFFile:
         self._pos = 4
         version = self._scalar("<u4")
         if version not in (2, 3):
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (expected 2 or 3, little-endian)")
+            raise ValueError(
+                f"{self.path}: GGUF version {version} is not supported "
+                f"(expected 2 or 3, little-endian)"
+            )
         n_tensors, n_kv = self._scalar("<u8"), self._scalar("<u8")
         self.fields: dict[str, Any] = {}
         for _ in range(n_kv):
@@ -72,7 +86,14 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = self._string()
             dims = [self._scalar("<u8") for _ in range(self._scalar("<u4"))]
-            infos.append((name, tuple(int(d) for d in reversed(dims)), self._scalar("<u4"), self._scalar("<u8")))
+            infos.append(
+                (
+                    name,
+                    tuple(int(d) for d in reversed(dims)),
+                    self._scalar("<u4"),
+                    self._scalar("<u8"),
+                )
+            )
         align = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // align) * align
         self.tensors: list[GGUFTensor] = []
@@ -81,12 +102,17 @@ class GGUFFile:
             block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
             n = int(np.prod(shape, dtype=np.int64))
             if shape and shape[-1] % block:
-                raise ValueError(f"{self.path}: tensor {name!r} row of {shape[-1]} is not a whole number of "
-                                 f"{qtype.name} blocks of {block}")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} row of {shape[-1]} is not a whole number of "
+                    f"{qtype.name} blocks of {block}"
+                )
             begin = start + int(offset)
             end = begin + n // block * type_bytes
             if end > self._mm.size:
-                raise ValueError(f"{self.path}: tensor {name!r} ends at byte {end}, past the file ({self._mm.size})")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} ends at byte {end}, "
+                    f"past the file ({self._mm.size})"
+                )
             self.tensors.append(GGUFTensor(name, shape, qtype, self._mm[begin:end]))
 
     def tensor(self, name: str) -> GGUFTensor:
@@ -97,7 +123,7 @@ class GGUFFile:
 
     # ------------------------------------------------------------------ parsing
     def _take(self, n: int) -> np.ndarray:
-        out = self._mm[self._pos:self._pos + n]
+        out = self._mm[self._pos : self._pos + n]
         if out.size != n:
             raise ValueError(f"{self.path}: truncated GGUF header at byte {self._pos}")
         self._pos += n
@@ -132,7 +158,7 @@ class GGUFFile:
         raw = memoryview(buf)
         for _ in range(count):
             (n,) = unpack(raw, pos)
-            out.append(bytes(raw[pos + 8:pos + 8 + n]).decode("utf-8"))
+            out.append(bytes(raw[pos + 8 : pos + 8 + n]).decode("utf-8"))
             pos += 8 + n
         if pos > buf.size:
             raise ValueError(f"{self.path}: truncated string array")

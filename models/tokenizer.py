@@ -100,7 +100,8 @@ def encode_batch(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 
 # ----------------------------------------------------------------- GGUF vocabularies
 # gguf token types (llama.cpp's llama_token_type)
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3
+TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
 SPACE_SYMBOL = "\u2581"  # SentencePiece's "▁"
 
 
@@ -127,7 +128,8 @@ class GGUFVocab:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable-unicode map (the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -144,14 +146,16 @@ def byte_level_bpe_tokenizer(v: GGUFVocab, splits: Sequence[str]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if v.merges is None:
-        raise ValueError("GGUF tokenizer: byte-level BPE without tokenizer.ggml.merges is not supported")
+        raise ValueError("GGUF tokenizer: byte-level BPE without tokenizer.ggml.merges "
+                         "is not supported")
     byte_alphabet = bytes_to_unicode()
     alphabet = set(byte_alphabet.values())
     vocab = {}
     for i, tok in enumerate(v.tokens):
         # Regular tokens are stored in the byte-level spelling already; respell any that are not
         # (llama.cpp keeps some added tokens raw) so the BPE model can produce them.
-        spelled = tok if set(tok) <= alphabet else "".join(byte_alphabet[b] for b in tok.encode("utf-8"))
+        spelled = tok if set(tok) <= alphabet else "".join(byte_alphabet[b]
+                                                           for b in tok.encode("utf-8"))
         vocab.setdefault(spelled, i)
     merges = [tuple(m.split(" ", 1)) for m in v.merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -159,7 +163,8 @@ def byte_level_bpe_tokenizer(v: GGUFVocab, splits: Sequence[str]):
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return _finish(tok, v, [(t, False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_USER_DEFINED])
+    user = [(t, False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_USER_DEFINED]
+    return _finish(tok, v, user)
 
 
 def sentencepiece_pieces(v: GGUFVocab) -> list[str]:
@@ -194,8 +199,8 @@ def sentencepiece_bpe_tokenizer(v: GGUFVocab):
     for i, p in enumerate(pieces):
         vocab.setdefault(p, i)
     unk = v.token(v.unk_id)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk, fuse_unk=True,
-                               byte_fallback=True))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
     steps = [normalizers.Prepend(SPACE_SYMBOL)] if v.add_space_prefix else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE_SYMBOL)])
     decode = [decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -215,7 +220,8 @@ def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_CONTROL]
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(v.tokens, v.types) if ty == TOKEN_CONTROL]
     user = [AddedToken(t, special=False, normalized=norm) for t, norm in user_defined]
     tok.add_special_tokens(control)
     tok.add_tokens(user)
@@ -224,10 +230,13 @@ def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
     if add_bos or add_eos:
         pre, post = (f"{bos}:0 " if add_bos else ""), (f" {eos}:0" if add_eos else "")
         pre1, post1 = (f"{bos}:1 " if add_bos else ""), (f" {eos}:1" if add_eos else "")
-        specials = [(t, i) for t, i, on in ((bos, v.bos_id, add_bos), (eos, v.eos_id, add_eos)) if on]
+        ends = ((bos, v.bos_id, add_bos), (eos, v.eos_id, add_eos))
+        specials = [(t, i) for t, i, on in ends if on]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{pre}$A:0{post}", pair=f"{pre}$A:0{post} {pre1}$B:1{post1}", special_tokens=specials)
-    kwargs = dict(bos_token=bos, eos_token=eos, pad_token=v.token(v.pad_id), unk_token=v.token(v.unk_id))
+            single=f"{pre}$A:0{post}", pair=f"{pre}$A:0{post} {pre1}$B:1{post1}",
+            special_tokens=specials)
+    kwargs = dict(bos_token=bos, eos_token=eos, pad_token=v.token(v.pad_id),
+                  unk_token=v.token(v.unk_id))
     kwargs = {k: val for k, val in kwargs.items() if val is not None}
     if v.chat_template is not None:
         kwargs["chat_template"] = v.chat_template
@@ -235,4 +244,5 @@ def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
 
 
 __all__ = ["load_tokenizer", "train_bpe", "encode_batch", "DEFAULT_SPECIAL_TOKENS", "GGUFVocab",
-           "byte_level_bpe_tokenizer", "sentencepiece_bpe_tokenizer", "sentencepiece_merges", "bytes_to_unicode"]
+           "byte_level_bpe_tokenizer", "sentencepiece_bpe_tokenizer", "sentencepiece_merges",
+           "bytes_to_unicode"]

@@ -35,7 +35,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.attn = Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")  # the FFN's input norm
+        # post_attn_norm is the FFN's input norm (HF Llama: post_attention_layernorm)
+        self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.ffn = make_ffn(cfg, rngs=rngs)
         if cfg.sandwich_norm:
             self.attn_out_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
@@ -90,8 +91,8 @@ class Transformer(nnx.Module):
         if cfg.rope_local_theta is not None and "sliding" in (cfg.layer_types or ()):
             rope_local = rope_cos_sin(positions_BT, inv_frequencies(cfg.dh, cfg.rope_local_theta))
         return ForwardContext(positions_BT=positions_BT, rope=rope, token_ids_BT=tokens_BT,
-                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, taps=taps,
-                              rope_local=rope_local)
+                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT,
+                              taps=taps, rope_local=rope_local)
 
     def run(self, tokens_BT, positions_BT=None, *, cache: Any = None, segment_ids_BT=None, taps: Taps = NO_TAPS):
         """(final-normed hidden [B, T, D], cache, aux losses, intermediates {tap: [L, ...]})."""

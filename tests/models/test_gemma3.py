@@ -19,7 +19,9 @@ from flax import nnx
 from pallasite.models import abstract_model, forward, hf, hf_config, init_model
 from pallasite.models.config import ModelConfig
 
-IDS = np.array([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 40, 50], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 200, 255]])
+IDS = np.array(
+    [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 40, 50], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 200, 255]]
+)
 PROMPTS = [[2, 17, 200, 43, 9], [2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 99], [2, 250]]
 N_NEW = 32
 _fwd = jax.jit(forward, static_argnums=0)
@@ -52,29 +54,52 @@ def test_logits_match_transformers(tiny, scan):
     assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     cfg, state = hf.import_hf(path, scan_layers=scan)
     assert cfg.family == "gemma3_text" and cfg.scan_layers == scan and cfg.mixed_layers
-    assert cfg.layer_types == ("sliding",) * 5 + ("full",) and cfg.sliding_window == 5 < IDS.shape[1]
-    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar, cfg.dh) == (1e6, 1e4, 24.0, 32)
-    assert cfg.tie_embeddings and cfg.norm_unit_offset and cfg.sandwich_norm and cfg.scale_embeddings
+    assert (
+        cfg.layer_types == ("sliding",) * 5 + ("full",) and cfg.sliding_window == 5 < IDS.shape[1]
+    )
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar, cfg.dh) == (
+        1e6,
+        1e4,
+        24.0,
+        32,
+    )
+    assert (
+        cfg.tie_embeddings and cfg.norm_unit_offset and cfg.sandwich_norm and cfg.scale_embeddings
+    )
     assert jax.tree.structure(state) == jax.tree.structure(nnx.split(abstract_model(cfg))[1])
     assert np.abs(ref).max() > 1.0
     out = _logits(cfg, state)
-    print(f"tiny Gemma 3 ({'scan' if scan else 'list'}): max |logits - transformers| = {np.abs(out - ref).max():.1e}")
+    print(
+        f"tiny Gemma 3 ({'scan' if scan else 'list'}): "
+        f"max |logits - transformers| = {np.abs(out - ref).max():.1e}"
+    )
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("change", ["norm_plus_one", "embedding_scale", "one_rope_base", "no_window",
-                                    "query_scale", "window_on_every_layer"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "norm_plus_one",
+        "embedding_scale",
+        "one_rope_base",
+        "no_window",
+        "query_scale",
+        "window_on_every_layer",
+    ],
+)
 def test_negative_controls(tiny, change):
     """Each Gemma feature is visible through the 1e-4 tolerance: switching it off moves the logits
     by more than 1e-2 (the same weights, the same transformers reference)."""
     _, path, ref = tiny
     cfg, state = hf.import_hf(path)
-    broken = {"norm_plus_one": dict(norm_unit_offset=False),
-              "embedding_scale": dict(scale_embeddings=False),
-              "one_rope_base": dict(rope_local_theta=cfg.rope_theta),
-              "no_window": dict(layer_types=("full",) * 6, rope_local_theta=None),
-              "query_scale": dict(query_pre_attn_scalar=None),
-              "window_on_every_layer": dict(layer_types=("sliding",) * 6)}[change]
+    broken = {
+        "norm_plus_one": dict(norm_unit_offset=False),
+        "embedding_scale": dict(scale_embeddings=False),
+        "one_rope_base": dict(rope_local_theta=cfg.rope_theta),
+        "no_window": dict(layer_types=("full",) * 6, rope_local_theta=None),
+        "query_scale": dict(query_pre_attn_scalar=None),
+        "window_on_every_layer": dict(layer_types=("sliding",) * 6),
+    }[change]
     assert np.abs(_logits(cfg.replace(**broken), state) - ref).max() > 1e-2
 
 
@@ -91,14 +116,34 @@ def test_round_trip_bit_exact(tiny, tmp_path):
         assert sorted(got) == sorted(src)
         for k in src:
             assert got[k].dtype == src[k].dtype and got[k].tobytes() == src[k].tobytes(), k
-    assert hf_config.config_from_hf(json.load(open(out / "config.json"))) == cfg.replace(scan_layers=False)
+    assert hf_config.config_from_hf(json.load(open(out / "config.json"))) == cfg.replace(
+        scan_layers=False
+    )
     a = transformers.AutoConfig.from_pretrained(path).to_dict()
     b = transformers.AutoConfig.from_pretrained(out).to_dict()
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters",
-                "tie_word_embeddings", "sliding_window", "layer_types", "query_pre_attn_scalar",
-                "hidden_activation", "attention_bias", "bos_token_id", "eos_token_id", "max_position_embeddings",
-                "final_logit_softcapping", "attn_logit_softcapping"):
+    for key in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "sliding_window",
+        "layer_types",
+        "query_pre_attn_scalar",
+        "hidden_activation",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+        "max_position_embeddings",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+    ):
         assert a[key] == b[key], key
 
 
@@ -111,14 +156,36 @@ def test_export_from_pallasite_init_loads_in_transformers(tmp_path):
     from pallasite.models.config import GEMMA3_FLAGS
     from pallasite.testing import pt_logits
 
-    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=96,
-                      **GEMMA3_FLAGS, hidden_act="gelu", tie_embeddings=True, layer_types=("sliding", "full", "sliding"),
-                      sliding_window=4, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=16.0,
-                      norm_eps=1e-6, scan_layers=True, eos_token_id=1, bos_token_id=2, pad_token_id=0)
-    state = jax.tree.map(lambda x: x + 0.3 * jax.numpy.sign(x), nnx.split(init_model(cfg, seed=3))[1])
+    cfg = ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=32,
+        d_ff=96,
+        **GEMMA3_FLAGS,
+        hidden_act="gelu",
+        tie_embeddings=True,
+        layer_types=("sliding", "full", "sliding"),
+        sliding_window=4,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=16.0,
+        norm_eps=1e-6,
+        scan_layers=True,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    state = jax.tree.map(
+        lambda x: x + 0.3 * jax.numpy.sign(x), nnx.split(init_model(cfg, seed=3))[1]
+    )
     state = jax.tree.map(lambda x: x * 5.0, state)  # far from uniform attention, norms far from 1
     hf.export_hf(cfg, state, tmp_path)
-    pt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    pt = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    )
     assert type(pt).__name__ == "Gemma3ForCausalLM"
     assert pt.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     np.testing.assert_allclose(_logits(cfg, state), pt_logits(pt, IDS), atol=1e-4, rtol=0)
@@ -134,11 +201,15 @@ def test_greedy_tokens_match_transformers(tiny, scan):
     model, path, _ = tiny
     model.generation_config.eos_token_id = None  # exactly N_NEW tokens on both sides
     cfg, state = hf.import_hf(path, scan_layers=scan)
-    ours = generate_ids(nnx.split(abstract_model(cfg))[0], state, cfg, PROMPTS, max_new_tokens=N_NEW, stop_tokens=())
+    ours = generate_ids(
+        nnx.split(abstract_model(cfg))[0], state, cfg, PROMPTS, max_new_tokens=N_NEW, stop_tokens=()
+    )
     for i, prompt in enumerate(PROMPTS):
         theirs = pt_greedy(model, np.asarray([prompt]), N_NEW)[0].tolist()
-        assert ours[i] == theirs, f"prompt {i}: first difference at token " \
+        assert ours[i] == theirs, (
+            f"prompt {i}: first difference at token "
             f"{next(j for j, (a, b) in enumerate(zip(ours[i], theirs)) if a != b)}"
+        )
 
 
 @pytest.mark.slow  # interpret-mode Pallas kernels: ~50 s of compiles on 2 cores
@@ -154,8 +225,14 @@ def test_pallas_attention_matches_reference(tiny):
     np.testing.assert_allclose(_logits(pallas, state), ref, atol=1e-4, rtol=0)
     graphdef = nnx.split(abstract_model(cfg))[0]
     want = generate_ids(graphdef, state, cfg, PROMPTS[:2], max_new_tokens=8, stop_tokens=())
-    got = generate_ids(nnx.split(abstract_model(pallas))[0], state, pallas, PROMPTS[:2], max_new_tokens=8,
-                       stop_tokens=())
+    got = generate_ids(
+        nnx.split(abstract_model(pallas))[0],
+        state,
+        pallas,
+        PROMPTS[:2],
+        max_new_tokens=8,
+        stop_tokens=(),
+    )
     assert got == want
 
 
@@ -169,16 +246,26 @@ def test_unsupported_gemma_configs_are_refused(tiny):
         hf_config.config_from_hf({**base, "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="layer_types must be 6 of"):
         hf_config.config_from_hf({**base, "layer_types": ["chunked_attention"] * 6})
-    loc = {**base, "rope_parameters": {**base["rope_parameters"], "sliding_attention": {
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}
+    loc = {
+        **base,
+        "rope_parameters": {
+            **base["rope_parameters"],
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        },
+    }
     with pytest.raises(ValueError, match="RoPE scaling of the sliding layers"):
         hf_config.config_from_hf(loc)
     # Older config.json layout: rope_theta / rope_local_base_freq / sliding_window_pattern.
     old = {k: v for k, v in base.items() if k not in ("rope_parameters", "layer_types")}
     old.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=3)
     c = hf_config.config_from_hf(old)
-    assert c.layer_types == ("sliding", "sliding", "full") * 2 and (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
-    with pytest.raises(ValueError, match="layer_types has 'sliding' layers but sliding_window is None"):
+    assert c.layer_types == ("sliding", "sliding", "full") * 2 and (
+        c.rope_theta,
+        c.rope_local_theta,
+    ) == (1e6, 1e4)
+    with pytest.raises(
+        ValueError, match="layer_types has 'sliding' layers but sliding_window is None"
+    ):
         ModelConfig(layer_types=("sliding", "full"), n_layers=2)
     with pytest.raises(ValueError, match="layer_types has 3 entries for n_layers=2"):
         ModelConfig(layer_types=("full",) * 3, n_layers=2)
