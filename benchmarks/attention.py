@@ -17,9 +17,10 @@ included; asserted equal to ``memory_report``) and the paper's ideal ratio ``1 /
 A second memory table puts a global (ragged) mask on the SmolLM2-135M shape (30 layers × 3 KV
 heads): the packed pools vs the previous per-layer padded layout.
 
-Prefill: on CPU the Pallas kernel only runs in interpret mode (correctness, not speed), so the
-CPU row reports the XLA reference time and the interpret-mode error; on a GPU the Triton kernel
-is timed against the XLA reference.
+Prefill (causal): on CPU the Pallas kernel only runs in interpret mode (correctness, not speed), so
+the CPU row reports the XLA reference time and the interpret-mode error; on a GPU the Triton kernel
+is timed against the XLA reference and XLA's fused attention (``jax.nn.dot_product_attention``,
+cuDNN's flash attention for bf16 when it accepts the shape; ``fused_impl`` says which ran).
 
 The last line printed is one JSON object; ``catekv_memory_ratio`` / ``catekv_decode_speedup``
 are full ÷ CateKV at r = 0.4, B = 2048 at the longest context measured (``context``).
@@ -135,16 +136,16 @@ def decode_bench(context: int, r: float, *, K=10, G=2, D=128, new=128, dtype=jnp
            "memory_ratio": full_bytes / cate_bytes, "ideal_ratio": rep["ideal_ratio"],
            "formula_ratio": rep["ratio"], "max_abs_diff_vs_full": err}
     if use_pallas:
-        from pallasite.ops.attention.decode import dense_decode
+        from pallasite.ops.attention import decode_attention_dense
 
-        full_pl = full_fn(lambda q, kc, vc, p: dense_decode(q, kc, vc, q_positions_BT=p, interpret=False))
+        full_pl = full_fn(lambda q, kc, vc, p: decode_attention_dense(q, kc, vc, q_positions_BT=p, interpret=False))
         cate_pl = cate_fn("pallas")
         tf, tc = _interleaved([full_pl, cate_pl], [(q, dense_k, dense_v, pos), (cate_arg, q, pos)], rounds=rounds)
         row.update({"full_pallas_ms": 1e3 * tf, "catekv_pallas_ms": 1e3 * tc, "speedup_pallas": tf / tc,
-                    "pallas_full_err": float(jnp.max(jnp.abs(full_pl(q, dense_k, dense_v, pos).astype(jnp.float32)
-                                                           - full_ref(q, dense_k, dense_v, pos).astype(jnp.float32)))),
-                    "pallas_catekv_err": float(jnp.max(jnp.abs(cate_pl(cate_arg, q, pos).astype(jnp.float32)
-                                                             - cate_ref(cate_arg, q, pos).astype(jnp.float32))))})
+                    "pallas_full_err": float(np.abs(np.asarray(full_pl(q, dense_k, dense_v, pos), np.float32)
+                                                    - np.asarray(full_ref(q, dense_k, dense_v, pos), np.float32)).max()),
+                    "pallas_catekv_err": float(np.abs(np.asarray(cate_pl(cate_arg, q, pos), np.float32)
+                                                      - np.asarray(cate_ref(cate_arg, q, pos), np.float32)).max())})
     return row
 
 
@@ -176,24 +177,45 @@ def global_mask_memory(contexts=(1088, 2048, 8192), r=0.4, seed=0):
     return rows
 
 
+def _fused_attention(q, k, v):
+    """XLA's fused attention (cuDNN flash attention on GPU for bf16 / fp16; XLA's own otherwise):
+    the (implementation, callable) that lowers on this backend."""
+    for impl in ("cudnn", None):
+        fn = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                implementation=impl))
+        try:
+            jax.block_until_ready(fn(q, k, v))
+            return impl or "xla", fn
+        except Exception:  # cuDNN rejects the dtype / shape / GPU: XLA's implementation then
+            continue
+    raise RuntimeError("jax.nn.dot_product_attention did not run")
+
+
 def prefill_bench(T: int, *, H=16, K=4, D=128, dtype=jnp.float32, on_gpu=False):
-    from pallasite.ops.attention.flash import flash_attention
+    """Causal prefill: flash (Pallas) vs the jnp reference vs XLA's fused attention."""
+    from pallasite.ops.attention import flash_attention
 
     ks = jax.random.split(jax.random.PRNGKey(1), 3)
     q = jax.random.normal(ks[0], (1, T, H, D), dtype)
     k = jax.random.normal(ks[1], (1, T, K, D), dtype)
     v = jax.random.normal(ks[2], (1, T, K, D), dtype)
     ref = jax.jit(lambda q, k, v: reference_attention(q, k, v))
-    interpret = not on_gpu
-    fl = jax.jit(lambda q, k, v: flash_attention(q, k, v, interpret=interpret, block_q=64, block_k=64))
-    err = float(jnp.max(jnp.abs(fl(q, k, v).astype(jnp.float32) - ref(q, k, v).astype(jnp.float32))))
+    interpret = None if on_gpu else True  # on an accelerator the backend's compiled variant
+    fl = jax.jit(lambda q, k, v: flash_attention(q, k, v, interpret=interpret))
+    fused_impl, fused = _fused_attention(q, k, v)
+    want = np.asarray(ref(q, k, v), np.float32)
+    err = float(np.abs(np.asarray(fl(q, k, v), np.float32) - want).max())  # numpy max keeps NaN
+    fused_err = float(np.abs(np.asarray(fused(q, k, v), np.float32) - want).max())
     if on_gpu:
-        t_ref, t_fl = _interleaved([ref, fl], [(q, k, v)] * 2)
+        t_ref, t_fl, t_fused = _interleaved([ref, fl, fused], [(q, k, v)] * 3)
     else:  # interpret mode: one timing for the record, not a speed claim
         t_ref = _time(ref, q, k, v, iters=3, warmup=1)
         t_fl = _time(fl, q, k, v, iters=1, warmup=0)
+        t_fused = _time(fused, q, k, v, iters=3, warmup=1)
     return {"T": T, "H": H, "K": K, "D": D, "dtype": jnp.dtype(dtype).name, "ref_ms": 1e3 * t_ref,
-            "flash_ms": 1e3 * t_fl, "flash_mode": "triton" if on_gpu else "interpret", "max_abs_err": err}
+            "flash_ms": 1e3 * t_fl, "fused_ms": 1e3 * t_fused, "fused_impl": fused_impl,
+            "flash_vs_fused": t_fused / t_fl, "flash_mode": "compiled" if on_gpu else "interpret",
+            "max_abs_err": err, "fused_max_abs_err": fused_err}
 
 
 def main(argv=None):
@@ -213,14 +235,16 @@ def main(argv=None):
     t0 = time.time()
 
     print(f"backend={backend} devices={jax.devices()}")
-    print("\n== prefill: flash (Pallas) vs reference ==")
+    print("\n== prefill (causal): flash (Pallas) vs reference vs XLA fused (jax.nn.dot_product_attention) ==")
     pre_T = [1024, 4096] if on_gpu else [256]
     if on_gpu and not args.quick:
         pre_T.append(8192)
     prefill = [prefill_bench(T, dtype=dtype, on_gpu=on_gpu) for T in pre_T]
-    print(f"{'T':>6} {'mode':>9} {'ref ms':>9} {'flash ms':>9} {'max err':>9}")
+    print(f"{'T':>6} {'mode':>9} {'ref ms':>9} {'flash ms':>9} {'fused ms':>9} {'fused':>6} {'fused/flash':>11} "
+          f"{'max err':>9}")
     for r in prefill:
-        print(f"{r['T']:>6} {r['flash_mode']:>9} {r['ref_ms']:>9.2f} {r['flash_ms']:>9.2f} {r['max_abs_err']:>9.2e}")
+        print(f"{r['T']:>6} {r['flash_mode']:>9} {r['ref_ms']:>9.2f} {r['flash_ms']:>9.2f} {r['fused_ms']:>9.2f} "
+              f"{r['fused_impl']:>6} {r['flash_vs_fused']:>11.2f} {r['max_abs_err']:>9.2e}")
 
     print(f"\n== decode step attention: full cache vs CateKV (B=2048, {layers} layer(s), batch {batch}, "
           "K=10, G=2, D=128) ==")
@@ -258,6 +282,7 @@ def main(argv=None):
         "catekv_decode_speedup_r0.3": round(r03["speedup"], 3),
         "decode_layers": layers, "decode_batch": batch, "global_mask_memory_smollm2": gm,
         "decode_rows": rows, "prefill_rows": prefill, "wall_s": round(time.time() - t0, 1),
+        "prefill_flash_vs_fused": round(prefill[-1]["flash_vs_fused"], 3),
     }
     if on_gpu:
         result["catekv_decode_speedup_pallas"] = round(main_row["speedup_pallas"], 3)

@@ -32,7 +32,6 @@ def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
     import jax
     import jax.numpy as jnp
     import ml_collections
-    import numpy as np
     from flax import nnx
 
     from pallasite.inference.mole_decode import lut_forward

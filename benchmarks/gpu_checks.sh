@@ -21,10 +21,14 @@ run() {  # name, timeout seconds, command...
   tail -n 3 "$LOGS/$name.log"; { echo "=== $name"; cat "$LOGS/$name.log"; } >> "$OUT/all.log"
   grep -h '^{' "$LOGS/$name.log" | sed "s/^{/{\"check\": \"$name\", /" >> "$OUT/results.jsonl" || true
 }
-run attention_kernels 150 python -m pallasite.ops.attention.gpu_check
-run quant_kernels     150 python -m pallasite.ops.quant.gpu_check
-run gmm               60  python -m pytest -q -p no:cacheprovider tests/ops/test_gmm.py
-run gmm_timing        30  python -m pallasite.ops.gmm --quick
+# compiled GPU (Triton) kernels vs their jnp references, then the attention benchmark: flash prefill
+# timed against the reference and XLA's fused attention (jax.nn.dot_product_attention / cuDNN)
+run attention_kernels 200 python -m pallasite.benchmarks.gpu_check_attention
+run quant_kernels     150 python -m pallasite.benchmarks.gpu_check_quant
+# the kernel test files with interpret=None: on the GPU they run the compiled Triton variants
+run kernel_tests      240 python -m pytest -q -p no:cacheprovider -m "not slow" tests/ops/test_gmm.py \
+                          tests/ops/test_attention_kernels.py tests/ops/test_quant.py
+run gmm_timing        30  python -m pallasite.benchmarks.gmm --quick
 run decode_bench      90  python -m pallasite.benchmarks.decode --quick --dtypes bfloat16 --random-weights  # no GGUF on the GPU box
 run experts_bench     150 python -m pallasite.benchmarks.experts --quick --time-budget 20
 run train_bench       50  python -m pallasite.benchmarks.train --quick

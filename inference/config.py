@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from pallasite.errors import InputError
 from pallasite.registry import DECODE_STRATEGY, KV_CACHE
 
 
@@ -43,9 +44,9 @@ class GenerationConfig:
         for name in ("temperature", "top_k", "top_p", "stop_tokens", "logits_processors"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
+            raise InputError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         if self.cache_len is not None and int(self.cache_len) < 1:
-            raise ValueError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
+            raise InputError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
         if self.kv_cache is not None:
             KV_CACHE.check(self.kv_cache, field="GenerationConfig.kv_cache")
         DECODE_STRATEGY.check(self.strategy, field="GenerationConfig.strategy")

@@ -2,12 +2,11 @@
 list in pyproject.toml fails here instead of silently dropping out of ``pip install .``."""
 
 import glob
+import pathlib
 import shutil
 import subprocess
 import sys
 import zipfile
-
-import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -31,7 +31,8 @@ from pallasite.inference.cache.base import KVCache
 from pallasite.inference.cache.catekv_mask import load_head_mask
 from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_scores, classify_heads, kept_indices,
                                                       middle_attention)
-from pallasite.ops.attention import attention
+from pallasite.ops.attention import attention, decode_attention
+from pallasite.ops.attention.kv_source import dense_source
 from pallasite.ops.common import round_up
 from pallasite.registry import KV_CACHE
 
@@ -203,8 +204,6 @@ class CateKVCache(KVCache):
         G = H // self._K
         k_full, v_full, k_sparse, v_sparse = self.views()
         if impl == "pallas" and T == 1:
-            from pallasite.ops.attention.decode import decode_attention, dense_source
-
             pos = positions_BT[:, 0]
 
             def part(qp, kc, vc, kv_len, kv_start=None):

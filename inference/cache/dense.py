@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pallasite.inference.cache.base import HeadMajorCache
-from pallasite.ops.attention import attention
+from pallasite.ops.attention import attention, decode_attention_dense
 from pallasite.registry import KV_CACHE
 
 
@@ -53,12 +53,8 @@ class DenseKVCache(HeadMajorCache):
         k = write_head_major(self.k, k_BTKD, positions_BT)
         v = write_head_major(self.v, v_BTKD, positions_BT)
         if impl == "pallas" and q_BTHD.shape[1] == 1:
-            from pallasite.ops.attention import _PALLAS_IMPLS
-
-            if "decode" not in _PALLAS_IMPLS:
-                from pallasite.ops.attention import decode  # noqa: F401  (registers itself)
-            out = _PALLAS_IMPLS["decode"](q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
-                                          interpret=interpret, kv_layout="BKSD")
+            out = decode_attention_dense(q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
+                                         interpret=interpret, kv_layout="BKSD")
             return out, DenseKVCache(k=k, v=v)
         out = attention(
             q_BTHD, k.astype(q_BTHD.dtype), v.astype(q_BTHD.dtype), q_positions_BT=positions_BT,

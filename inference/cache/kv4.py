@@ -108,7 +108,7 @@ class KV4Cache(HeadMajorCache):
         kq, ks, kz = self._write(self.k_q, self.k_scale, self.k_zero, k, self.k_clip, positions_BT)
         vq, vs, vz = self._write(self.v_q, self.v_scale, self.v_zero, v_BTKD, self.v_clip, positions_BT)
         new = self.replace(k_q=kq, k_scale=ks, k_zero=kz, v_q=vq, v_scale=vs, v_zero=vz)
-        if impl == "pallas" and q.shape[1] == 1 and ks.shape[-1] == 1:
+        if impl == "pallas" and q.shape[1] == 1:  # the op logs and uses its reference for > 1 group
             out = kv4_decode_attention(q, kq, ks, kz, vq, vs, vz, positions_BT, sliding_window=sliding_window,
                                        impl="pallas", interpret=interpret)
         else:

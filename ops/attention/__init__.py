@@ -1,52 +1,63 @@
-"""Attention ops: ``attention`` dispatches between the jnp reference and Pallas kernels.
+"""Attention ops: ``attention(q, k, v, *, impl, kv_layout, interpret, **mask_kwargs)``.
 
-``impl="ref" | "pallas"``; Pallas kernels run in interpret mode on CPU (``interpret=None``
-picks it by platform). The Pallas kernels are registered by ``ops.attention.flash`` and
-``ops.attention.decode`` when present.
-
-``kv_layout="BSKD"`` (default) or ``"BKSD"`` (head-major, the dense KV cache's layout) says how
-k/v are laid out; the flash kernel reads slot-major, so a head-major cache is swapped for it
-(prefill only: one-token decode over the dense cache goes to ``ops.attention.decode``, which reads
-the head-major cache directly).
+``impl`` is a kind of the ``pallasite.registry.ATTENTION`` seam, registered here: ``"ref"`` (the jnp
+reference, ``reference.attention``) and ``"pallas"`` (``flash.flash_attention``, whose variant —
+TPU Mosaic, GPU Triton, CPU interpreter — ``ops.dispatch`` picks). ``kv_layout="BSKD"`` (default)
+or ``"BKSD"`` (head-major, the dense KV cache's layout) says how k / v are laid out; both paths read
+either. ``decode_attention_dense`` is the one-token decode over a dense cache (split-K kernel,
+``ops.attention.decode``); ``decode_attention`` takes any ``KVSource``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Optional
 
-import jax
-import jax.numpy as jnp
-
-from pallasite.ops.attention.reference import KV_LAYOUTS, NEG_INF, attention as reference_attention, attention_mask
-
-_PALLAS_IMPLS: dict[str, Callable] = {}
-
-
-def register_pallas(name: str, fn: Callable) -> None:
-    _PALLAS_IMPLS[name] = fn
+from pallasite.ops.attention.decode import decode_attention, decode_attention_dense
+from pallasite.ops.attention.flash import flash_attention
+from pallasite.ops.attention.reference import KV_LAYOUTS, NEG_INF, attention_mask
+from pallasite.ops.attention.reference import attention as reference_attention
+from pallasite.registry import ATTENTION
 
 
-def default_interpret() -> bool:
-    return jax.default_backend() == "cpu"
+def _ref_impl(q_BTHD, k, v, *, kv_layout="BSKD", interpret=None, **mask_kwargs):
+    del interpret  # the reference has no kernel
+    return reference_attention(q_BTHD, k, v, kv_layout=kv_layout, **mask_kwargs)
 
 
-def attention(q_BTHD, k_BSKD, v_BSKD, *, impl: str = "ref", interpret: Optional[bool] = None,
-              kv_layout: str = "BSKD", **kwargs):
-    """Grouped-query attention; see ``reference.attention`` for the masking semantics."""
-    if impl == "ref":
-        return reference_attention(q_BTHD, k_BSKD, v_BSKD, kv_layout=kv_layout, **kwargs)
-    if impl == "pallas":
-        if "flash" not in _PALLAS_IMPLS:
-            try:
-                from pallasite.ops.attention import flash  # noqa: F401  (registers itself)
-            except ImportError as e:
-                raise NotImplementedError("attention impl='pallas' needs ops/attention/flash.py") from e
-        if kv_layout == "BKSD":  # the flash kernel's BlockSpecs read [B, S, K, D]
-            k_BSKD, v_BSKD = jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)
-        elif kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"attention: kv_layout={kv_layout!r}; expected one of {KV_LAYOUTS}")
-        return _PALLAS_IMPLS["flash"](q_BTHD, k_BSKD, v_BSKD, interpret=interpret, **kwargs)
-    raise ValueError(f"attention impl={impl!r}; expected 'ref' or 'pallas'")
+def _pallas_impl(q_BTHD, k, v, *, kv_layout="BSKD", interpret=None, **mask_kwargs):
+    return flash_attention(q_BTHD, k, v, kv_layout=kv_layout, interpret=interpret, **mask_kwargs)
 
 
-__all__ = ["attention", "attention_mask", "reference_attention", "register_pallas", "default_interpret", "NEG_INF"]
+ATTENTION.register("ref", _ref_impl)
+ATTENTION.register("pallas", _pallas_impl)
+
+
+def attention(
+    q_BTHD,
+    k,
+    v,
+    *,
+    impl: str = "ref",
+    kv_layout: str = "BSKD",
+    interpret: Optional[Any] = None,
+    **mask_kwargs,
+):
+    """Grouped-query attention with the impl registered as ``impl``; see ``reference.attention``
+    for the masking semantics (positions, segments, key validity, sliding window)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"attention: kv_layout={kv_layout!r}; expected one of {KV_LAYOUTS}")
+    return ATTENTION.get(impl, field="impl")(
+        q_BTHD, k, v, kv_layout=kv_layout, interpret=interpret, **mask_kwargs
+    )
+
+
+__all__ = [
+    "attention",
+    "attention_mask",
+    "reference_attention",
+    "flash_attention",
+    "decode_attention",
+    "decode_attention_dense",
+    "NEG_INF",
+    "KV_LAYOUTS",
+]

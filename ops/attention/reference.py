@@ -81,20 +81,33 @@ def attention(
         q_positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
     if k_positions_BS is None:
         k_positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     q = q_BTHD.reshape(B, T, K, G, D)
     mask = attention_mask(
-        q_positions_BT, k_positions_BS, causal=causal, sliding_window=sliding_window,
-        q_segment_ids_BT=q_segment_ids_BT, k_segment_ids_BS=k_segment_ids_BS, k_valid_BS=k_valid_BS,
+        q_positions_BT,
+        k_positions_BS,
+        causal=causal,
+        sliding_window=sliding_window,
+        q_segment_ids_BT=q_segment_ids_BT,
+        k_segment_ids_BS=k_segment_ids_BS,
+        k_valid_BS=k_valid_BS,
     )
     if T == 1 and kv_layout == "BKSD":
         # Decode over a head-major cache: the same math with the unit query axis dropped, so each
         # einsum is one batched (b, k) matrix product over the cache as stored (XLA:CPU, one layer
         # at B=8, S=4096, K=3, D=64: 1.3-2.1x faster than the 5-D form in the same process).
-        logits = jnp.einsum("bkgd,bksd->bkgs", q[:, 0], k_BSKD, preferred_element_type=jnp.float32) * scale
+        logits = (
+            jnp.einsum("bkgd,bksd->bkgs", q[:, 0], k_BSKD, preferred_element_type=jnp.float32)
+            * scale
+        )
         logits = jnp.where(mask[:, :, None, :], logits, NEG_INF)  # mask [B, 1, S] -> [B, 1, 1, S]
         probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bkgs,bksd->bkgd", probs.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
+        out = jnp.einsum(
+            "bkgs,bksd->bkgd",
+            probs.astype(v_BSKD.dtype),
+            v_BSKD,
+            preferred_element_type=jnp.float32,
+        )
         return out.reshape(B, 1, H, D).astype(q_BTHD.dtype)
     logits = jnp.einsum(f"btkgd,{kv}->bkgts", q, k_BSKD, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
@@ -103,7 +116,14 @@ def attention(
         # "bkgts,bksd->btkgd" in bfloat16 with a float32 result fails on XLA:CPU (jax 0.10.2:
         # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"); the dot in its
         # natural output order plus a transpose of the (small) output runs.
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
+        out = jnp.einsum(
+            "bkgts,bksd->bkgtd",
+            probs.astype(v_BSKD.dtype),
+            v_BSKD,
+            preferred_element_type=jnp.float32,
+        )
         return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32
+    )
     return out.reshape(B, T, H, D).astype(q_BTHD.dtype)

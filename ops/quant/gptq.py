@@ -19,14 +19,23 @@ def hessian_from_inputs(x_NI: np.ndarray) -> np.ndarray:
     return 2.0 * x.T @ x / max(1, x.shape[0])
 
 
-def gptq_quantize(w_IO: np.ndarray, H_II: np.ndarray, *, bits: int = 4, blocksize: int = 128,
-                  percdamp: float = 0.01, scale_O: np.ndarray | None = None):
+def gptq_quantize(
+    w_IO: np.ndarray,
+    H_II: np.ndarray,
+    *,
+    bits: int = 4,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    scale_O: np.ndarray | None = None,
+):
     """Returns (q int8 [in, out] in [-2^(b-1), 2^(b-1)-1], scale [out]) minimising ‖X(W − Ŵ)‖²."""
     W = np.asarray(w_IO, np.float64).T.copy()  # [out, in] rows = output channels, as in GPTQ
     H = np.asarray(H_II, np.float64).copy()
     n_in = W.shape[1]
     if H.shape != (n_in, n_in):
-        raise ValueError(f"gptq_quantize: Hessian shape {H.shape} does not match the weight's input dim {n_in}")
+        raise ValueError(
+            f"gptq_quantize: Hessian shape {H.shape} does not match the weight's input dim {n_in}"
+        )
     qmax = 2 ** (bits - 1) - 1
     qmin = -qmax - 1
     if scale_O is None:

@@ -69,10 +69,16 @@ def _decompose(n: int, depth: int = 0):
 def hadamard_matrix(n: int) -> np.ndarray:
     """±1 Hadamard matrix of order n (int64), ``H @ H.T == n * I``."""
     if n < 1 or (n > 2 and n % 4):
-        raise ValueError(f"hadamard_matrix: no Hadamard matrix of order {n} exists (orders are 1, 2 or multiples of 4)")
+        raise ValueError(
+            f"hadamard_matrix: no Hadamard matrix of order {n} exists "
+            "(orders are 1, 2 or multiples of 4)"
+        )
     parts = _decompose(n)
     if parts is None:
-        raise ValueError(f"hadamard_matrix: order {n} is not 2^k times a product of Paley-I orders; not supported")
+        raise ValueError(
+            f"hadamard_matrix: order {n} is not 2^k times a product of Paley-I orders; "
+            "not supported"
+        )
     H = np.ones((1, 1), dtype=np.int64)
     for p in parts:
         H = np.kron(H, _paley1(p - 1))
@@ -89,7 +95,8 @@ def has_hadamard(n: int) -> bool:
 
 
 def random_hadamard(n: int, seed: int = 0) -> np.ndarray:
-    """QuaRot's randomised Hadamard: ``H · diag(s) / sqrt(n)`` with random signs s (float64, orthogonal)."""
+    """QuaRot's randomised Hadamard: ``H · diag(s) / sqrt(n)`` with random signs s (float64,
+    orthogonal)."""
     rng = np.random.default_rng(seed)
     signs = rng.choice([-1.0, 1.0], size=n)
     return hadamard_matrix(n).astype(np.float64) * signs[None, :] / np.sqrt(n)

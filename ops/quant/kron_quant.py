@@ -1,26 +1,14 @@
 """Fused Kronecker transform + per-token int4 quantization (FlatQuant, Sun et al. ICML 2025, §3.2
 "Kernel fusion"; official Triton kernel ``deploy/kernels/kron_matmul.py``).
 
-For each token ``x ∈ R^n`` with ``n = n1·n2`` the op computes ``Y = P1ᵀ · reshape(x, n1×n2) · P2``
-(row-major reshape; this equals ``x @ kron(P1, P2)``), then the symmetric per-token quantizer of
-``ops.quant.quantizers`` with the learned activation clip (sigmoid factors), rounding
-half-to-even, clamping to [-8, 7] and packing two nibbles per byte. Outputs: packed ``uint8
-[T, n/2]`` and ``scale float32 [T]``.
-
-Kernel layout (GPU-friendly, no in-kernel reshapes or strided slices):
-
-* the wrapper reshapes ``x[T, n]`` into ``[T·n1p, n2p]`` (n1, n2 zero-padded to powers of two,
-  n1p ≥ 16 and n2p ≥ 32 so every ``dot`` has dimensions ≥ 16 for Triton);
-* ``P2`` is split outside the kernel into its even and odd columns, so the kernel produces the
-  even and odd elements of each row of ``Y`` as two ``dot``s and packs them with shifts — the
-  interleave of ``pack_int4`` costs nothing;
-* the grid runs over blocks of ``block_t`` tokens; a ``fori_loop`` handles one token (an
-  ``n1p × n2p`` tile, like the official per-token program) with ``P1ᵀ``, ``P2even``, ``P2odd``
-  resident.
-
-Zero padding is exact: padded rows/columns of Y are 0, which neither changes the absmax nor the
-real nibbles, and the wrapper slices them away. ``round`` has no Triton lowering, so both paths
-use ``round_half_even`` built from ``floor`` (identical to ``jnp.round`` — tested).
+Per token ``x ∈ R^n``, ``n = n1·n2``: ``Y = P1ᵀ · reshape(x, n1×n2) · P2`` (row-major reshape;
+equals ``x @ kron(P1, P2)``), then the symmetric per-token quantizer of ``ops.quant.quantizers``
+with the learned activation clip (sigmoid factors), round half to even, clamp to [-8, 7], two
+nibbles per byte -> ``uint8 [T, n/2]`` + ``scale float32 [T]``. GPU variant (here): ``[T·n1p,
+n2p]`` rows (factors zero-padded to powers of two >= 16 / 32 for Triton's dot), ``P2`` split into
+even / odd columns so packing is two dots and shifts, a ``fori_loop`` over the ``block_t`` tokens
+of a program. TPU variant: ``kron_quant_tpu`` (batched left product, ``block_t`` 32). Zero
+padding is exact.
 """
 
 from __future__ import annotations
@@ -32,23 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallasite.ops.quant.quantizers import pack_int4, qrange_sym
-
-
-def default_interpret() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def round_half_even(x: jax.Array) -> jax.Array:
-    """Round to nearest, ties to even, from floor only (Triton has no ``round`` lowering)."""
-    r = jnp.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0
-    return jnp.where(tie & odd, r - 1.0, r)
-
-
-def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, (int(n) - 1).bit_length()))
+import pallasite.ops.quant.kron_quant_tpu as kron_quant_tpu
+from pallasite.ops.common import next_pow2
+from pallasite.ops.dispatch import pick_variant, triton_params
+from pallasite.ops.quant.quantizers import pack_int4, qrange_sym, round_half_even  # noqa: F401 (re-export)
 
 
 def kron_transform_ref(x_TN: jax.Array, p1: jax.Array, p2: jax.Array) -> jax.Array:
@@ -93,7 +68,9 @@ def _quant_rows(y, cmax, cmin, bits):
     return q, scale
 
 
-def _kron_quant_kernel(x_ref, p1t_ref, p2e_ref, p2o_ref, c_ref, q_ref, s_ref, *, n1p, block_t, bits):
+def _kron_quant_kernel(
+    x_ref, p1t_ref, p2e_ref, p2o_ref, c_ref, q_ref, s_ref, *, n1p, block_t, bits
+):
     qmin, qmax = qrange_sym(bits)
     p1t = p1t_ref[...]
     p2e = p2e_ref[...]
@@ -125,9 +102,7 @@ def _kron_quant_kernel(x_ref, p1t_ref, p2e_ref, p2o_ref, c_ref, q_ref, s_ref, *,
 def _kron_quantize_pallas(x_TN, p1, p2, clip_logits, *, bits, block_t, interpret):
     T, N = x_TN.shape
     n1, n2 = p1.shape[0], p2.shape[0]
-    if n2 % 2:
-        raise ValueError(f"kron_quantize: the right factor size n2={n2} must be even to pack nibble pairs")
-    n1p, n2p = _pow2_at_least(n1, 16), _pow2_at_least(n2, 32)
+    n1p, n2p = next_pow2(n1, 16), next_pow2(n2, 32)
     Tp = pl.cdiv(T, block_t) * block_t
     X = x_TN.astype(jnp.float32).reshape(T, n1, n2)
     X = jnp.pad(X, ((0, Tp - T), (0, n1p - n1), (0, n2p - n2))).reshape(Tp * n1p, n2p)
@@ -156,23 +131,62 @@ def _kron_quantize_pallas(x_TN, p1, p2, clip_logits, *, bits, block_t, interpret
             jax.ShapeDtypeStruct((Tp,), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=triton_params(interpret),
+        name="pallasite_kron_quant",
     )(X, p1t, p2e, p2o, c)
     q = q.reshape(Tp, n1p, n2p // 2)[:T, :n1, : n2 // 2].reshape(T, N // 2)
     return q, s[:T]
 
 
-def kron_quantize(x, p1, p2, clip_logits=None, *, bits: int = 4, impl: str = "pallas",
-                  interpret: Optional[bool] = None, block_t: int = 16):
-    """Fused ``P1ᵀ X P2`` + per-token int4 quantize + pack. x: [..., n] → (uint8 [..., n/2], f32 [...])."""
+def kron_quantize(
+    x,
+    p1,
+    p2,
+    clip_logits=None,
+    *,
+    bits: int = 4,
+    impl: str = "pallas",
+    interpret=None,
+    block_t: Optional[int] = None,
+):
+    """Fused ``P1ᵀ X P2`` + per-token int4 quantize + pack: x [..., n] → (uint8 [..., n/2], f32
+    [...]).
+    ``block_t`` tokens per program: None takes the variant's default (GPU 16, TPU 32)."""
     if bits != 4:
         raise ValueError(f"kron_quantize packs int4 nibbles; bits={bits} is not supported")
+    if impl not in ("ref", "pallas"):
+        raise ValueError(f"kron_quantize impl={impl!r}; expected 'ref' or 'pallas'")
+    n1, n2 = p1.shape[0], p2.shape[0]
+    if x.shape[-1] != n1 * n2:
+        raise ValueError(f"kron_quantize: last axis {x.shape[-1]} != {n1}×{n2}")
+    if n2 % 2:
+        raise ValueError(
+            f"kron_quantize: the right factor size n2={n2} must be even to pack nibble pairs"
+        )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if impl == "ref":
         q, s = kron_quantize_ref(x2, p1, p2, clip_logits, bits=bits)
-    elif impl == "pallas":
-        interpret = default_interpret() if interpret is None else interpret
-        q, s = _kron_quantize_pallas(x2, p1, p2, clip_logits, bits=bits, block_t=block_t, interpret=interpret)
     else:
-        raise ValueError(f"kron_quantize impl={impl!r}; expected 'ref' or 'pallas'")
+        variant = pick_variant(interpret)
+        if variant.kind == "tpu":
+            q, s = kron_quant_tpu.kron_quantize(
+                x2,
+                p1,
+                p2,
+                jnp.stack(_clip_factors(clip_logits)),
+                bits=bits,
+                block_t=block_t or kron_quant_tpu.DEFAULT_BLOCK_T,
+                interpret=variant.interpret,
+            )
+        else:
+            q, s = _kron_quantize_pallas(
+                x2,
+                p1,
+                p2,
+                clip_logits,
+                bits=bits,
+                block_t=block_t or 16,
+                interpret=variant.interpret,
+            )
     return q.reshape(*lead, -1), s.reshape(lead)

@@ -38,6 +38,15 @@ def qrange_sym(bits: int) -> tuple[int, int]:
     return -qmax - 1, qmax
 
 
+def round_half_even(x: jax.Array) -> jax.Array:
+    """Round to nearest, ties to even, from floor only (the kernels' rounding: Triton has no
+    ``round`` lowering); identical to ``jnp.round``."""
+    r = jnp.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0
+    return jnp.where(tie & odd, r - 1.0, r)
+
+
 def round_ste(x: jax.Array) -> jax.Array:
     """round(x) in the forward pass, identity gradient in the backward pass."""
     return x + jax.lax.stop_gradient(jnp.round(x) - x)
@@ -51,8 +60,10 @@ def _clip_factors(clip_logits: Optional[jax.Array], dtype) -> tuple[jax.Array, j
     return f[..., 0], f[..., 1]
 
 
-# ------------------------------------------------------------------ activations (symmetric, per token)
-def act_scale_sym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4) -> jax.Array:
+# ---------------------------------------------------------- activations (symmetric, per token)
+def act_scale_sym(
+    x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4
+) -> jax.Array:
     """Per-token scale [..., 1] of the symmetric activation quantizer (with LAC when given).
 
     ``clip_logits`` is ``[2]`` = (max logit, min logit)."""
@@ -72,7 +83,9 @@ def quantize_act_sym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bits
     return q, scale
 
 
-def fake_quant_act_sym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4) -> jax.Array:
+def fake_quant_act_sym(
+    x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4
+) -> jax.Array:
     """Quantize-dequantize with STE (differentiable in x and the clip logits)."""
     if bits >= 16:
         return x
@@ -81,7 +94,7 @@ def fake_quant_act_sym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bi
     return jnp.clip(round_ste(x / scale), qmin, qmax) * scale
 
 
-# ------------------------------------------------------------------ weights (symmetric, per output channel)
+# ---------------------------------------------------- weights (symmetric, per output channel)
 def weight_clip(w_IO: jax.Array, clip_logits_O2: Optional[jax.Array]) -> jax.Array:
     """Learnable weight clipping (LWC): clamp column o of ``w[in, out]`` to
     ``[min_o * sigmoid(θmin_o), max_o * sigmoid(θmax_o)]``; ``clip_logits_O2[o] = (θmax, θmin)``."""
@@ -94,7 +107,7 @@ def weight_clip(w_IO: jax.Array, clip_logits_O2: Optional[jax.Array]) -> jax.Arr
 
 
 def weight_scale_sym(w_IO: jax.Array, bits: int = 4) -> jax.Array:
-    """Per-output-channel scale [out]: max(|min|, max) / qmax over the input axis, >= 1e-5 / qmax."""
+    """Per-output-channel scale [out]: max(|min|, max) / qmax over the input axis, >= 1e-5/qmax."""
     _, qmax = qrange_sym(bits)
     zero = jnp.zeros((), w_IO.dtype)
     wmax = jnp.maximum(jnp.max(w_IO, axis=0), zero)
@@ -119,18 +132,22 @@ def fake_quant_weight_sym(w_IO: jax.Array, bits: int = 4) -> jax.Array:
     return jnp.clip(round_ste(w_IO / scale), qmin, qmax) * scale
 
 
-# ------------------------------------------------------------------ KV cache (asymmetric, per group)
+# ------------------------------------------------------------ KV cache (asymmetric, per group)
 def kv_group_size(head_dim: int, group: int = 128) -> int:
     g = min(group, head_dim)
     if head_dim % g:
-        raise ValueError(f"KV quantization: head_dim={head_dim} is not a multiple of the group size {g}")
+        raise ValueError(
+            f"KV quantization: head_dim={head_dim} is not a multiple of the group size {g}"
+        )
     return g
 
 
-def quantize_kv_asym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4, group: int = 128):
+def quantize_kv_asym(
+    x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4, group: int = 128
+):
     """x [..., Dh] → (q uint8 [..., Dh] in [0, 2^b-1], scale [..., G], zero [..., G] (integer-valued
-    float)), G = Dh / group. The zero point is an integer in [0, 2^b - 1] because xmin <= 0 <= xmax."""
-    qmax = 2 ** bits - 1
+    float)), G = Dh / group. The zero point is an integer in [0, 2^b - 1] as xmin <= 0 <= xmax."""
+    qmax = 2**bits - 1
     Dh = x.shape[-1]
     g = kv_group_size(Dh, group)
     xg = x.reshape(*x.shape[:-1], Dh // g, g)
@@ -151,7 +168,9 @@ def _kv_scale_zero(xg, clip_logits, qmax):
     return scale, zero
 
 
-def dequantize_kv_asym(q: jax.Array, scale: jax.Array, zero: jax.Array, group: int = 128, dtype=jnp.float32):
+def dequantize_kv_asym(
+    q: jax.Array, scale: jax.Array, zero: jax.Array, group: int = 128, dtype=jnp.float32
+):
     Dh = q.shape[-1]
     g = kv_group_size(Dh, group)
     qg = q.reshape(*q.shape[:-1], Dh // g, g).astype(dtype)
@@ -159,10 +178,12 @@ def dequantize_kv_asym(q: jax.Array, scale: jax.Array, zero: jax.Array, group: i
     return out.reshape(q.shape)
 
 
-def fake_quant_kv_asym(x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4, group: int = 128):
+def fake_quant_kv_asym(
+    x: jax.Array, clip_logits: Optional[jax.Array] = None, bits: int = 4, group: int = 128
+):
     if bits >= 16:
         return x
-    qmax = 2 ** bits - 1
+    qmax = 2**bits - 1
     Dh = x.shape[-1]
     g = kv_group_size(Dh, group)
     xg = x.reshape(*x.shape[:-1], Dh // g, g)
@@ -189,7 +210,7 @@ def unpack_int4(p: jax.Array, signed: bool = True) -> jax.Array:
 
 
 def unpack_int4_halves(p: jax.Array, signed: bool = True) -> tuple[jax.Array, jax.Array]:
-    """(even elements, odd elements) as int32 — the layout the kernels consume without interleaving."""
+    """(even elements, odd elements) as int32 — the layout the kernels consume as it is."""
     p32 = p.astype(jnp.int32) & 0xFF
     lo, hi = p32 & 0xF, (p32 >> 4) & 0xF
     if signed:  # sign-extend a 4-bit two's-complement nibble

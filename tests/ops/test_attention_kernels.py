@@ -73,7 +73,7 @@ def test_flash_bf16_tolerance():
     out = flash_attention(q, k, v, block_q=16, block_k=16)
     ref = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
     assert out.dtype == jnp.bfloat16
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+    err = np.abs(np.asarray(out, np.float32) - np.asarray(ref)).max()  # numpy: XLA:CPU's max can drop NaN
     assert err < BF16_TOL, err
 
 
