@@ -1,19 +1,12 @@
 """The ``pallasite`` console script (big_vision style).
 
-<<<<<<< HEAD
-    pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.train.steps=200 ...]
-    pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
-                       [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
-    pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
-    pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
-=======
     pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.a.b=v ...]
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7]
                        [--top-p 0.9]
                        [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
     pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
                        [--max-windows 64]
->>>>>>> ux
+    pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE)
 
@@ -444,13 +437,6 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
                 "otherwise); or text / jsonl files",
             )
             p.add_argument("--field", default="text", help="jsonl field holding the text")
-<<<<<<< HEAD
-            p.add_argument("--seq-len", type=int, default=512)
-            p.add_argument("--max-windows", type=int, default=64)
-            from pallasite.eval.facttest import cli as facttest_cli
-
-            facttest_cli.add_arguments(p)
-=======
             p.add_argument(
                 "--seq-len",
                 type=int,
@@ -463,7 +449,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
                 default=None,
                 help="at most this many windows (default 64)",
             )
->>>>>>> ux
+            from pallasite.eval.facttest import cli as facttest_cli
+
+            facttest_cli.add_arguments(p)
         p.set_defaults(fn=fn)
     return parser
 
