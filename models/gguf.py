@@ -31,10 +31,26 @@ from pallasite.models.config import GEMMA3_FLAGS, ModelConfig, gemma3_layer_type
 from pallasite.models.gguf_reader import GGUFFile
 from pallasite.models.hf import CheckpointMismatchError
 from pallasite.models.offline import (  # noqa: F401  (re-exported: the offline models)
-    GEMMA3_PIP, OFFLINE_MODELS, SMOLLM2_PIP, cache_dir, gemma3_gguf_path, offline_model_path, smollm2_gguf_path)
+    GEMMA3_PIP,
+    OFFLINE_MODELS,
+    SMOLLM2_PIP,
+    cache_dir,
+    gemma3_gguf_path,
+    offline_model_path,
+    smollm2_gguf_path,
+)
 from pallasite.models.tokenizer import (  # noqa: F401  (token types re-exported)
-    TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, GGUFVocab,
-    byte_level_bpe_tokenizer, bytes_to_unicode, sentencepiece_bpe_tokenizer)
+    TOKEN_BYTE,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_UNKNOWN,
+    TOKEN_UNUSED,
+    TOKEN_USER_DEFINED,
+    GGUFVocab,
+    byte_level_bpe_tokenizer,
+    bytes_to_unicode,
+    sentencepiece_bpe_tokenizer,
+)
 from pallasite.models.transformer import abstract_model
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
