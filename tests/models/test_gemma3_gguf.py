@@ -663,6 +663,7 @@ def test_offline_helpers_assemble_and_check(tmp_path, monkeypatch):
     def missing(name):
         raise md.PackageNotFoundError(name)
 
+    monkeypatch.undo()  # the real _dist_files again, over no installed distributions
     monkeypatch.setattr(md, "distribution", missing)
     assert offline.gemma3_gguf_path(str(cache)) is None and offline.smollm2_gguf_path() is None
     with pytest.raises(
