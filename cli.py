@@ -175,6 +175,9 @@ def _cmd_generate(args, overrides):
         if args.kv_cache is None
         else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
     )
+    from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
+
+    constraint = cli_options(args)
     t0 = time.perf_counter()
     pallasite.generate(
         model,
@@ -186,6 +189,7 @@ def _cmd_generate(args, overrides):
         seed=args.seed,
         stream=stream,
         **cache,
+        **constraint,
     )
     t_end = time.perf_counter()
     print()
@@ -427,6 +431,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
                 metavar="|".join(kv_kinds),
                 help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE",
             )
+            from pallasite.inference.constrained.sugar import add_cli_arguments
+
+            add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN
         if name == "eval":
             p.add_argument(
                 "--data",

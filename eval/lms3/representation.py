@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallasite.inference.cache.base import KVCache
 from pallasite.ops.attention import attention
 
 MAX_LEN = 128
@@ -29,7 +30,7 @@ LENGTH_BUCKET = 16
 
 
 @struct.dataclass
-class KeyMaskCache:
+class KeyMaskCache(KVCache):
     """Not a KV store: per layer, attention among the call's own tokens with causal-by-position
     masking AND keys restricted to ``valid`` ([L, B, T] with a layer axis like every cache)."""
 
