@@ -284,6 +284,28 @@ def test_calibration_counts_exact_and_per_layer():
         calibrate_head_mask(cv[0], 0.4)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
+def test_sliding_window_layers(scan):
+    """Gemma-style interleave (layer 0 local, window 16 < prompt; layer 1 global): the local layer's
+    heads are made adaptive and attend within the window; with the budget covering the context the
+    cache is exact against the dense cache, and a real budget still sparsifies the global layer."""
+    cfg = CFG.replace(layer_types=("sliding", "full"), sliding_window=16, rope_local_theta=1e4, scan_layers=scan)
+    gd, st = nnx.split(init_model(cfg, seed=6))
+    tokens = _tokens(seed=7)
+    none_adaptive = np.zeros((2, 2), bool)
+    ref_logits, ref_ids, _ = _greedy((gd, st), init_dense_cache(cfg, 2, 128), tokens)
+    big = CateKVConfig(budget=8 + 16 + 4 * 30, init_tokens=8, recent_tokens=16, chunk_size=4, last_q=8, tail_tokens=8)
+    cache = init_catekv_cache(cfg, 2, 128, none_adaptive, catekv_cfg=big, max_new_tokens=N_NEW)
+    np.testing.assert_array_equal(np.asarray(cache.full_heads)[0], [0, 1])  # layer 0: both heads adaptive
+    assert (np.asarray(cache.sparse_heads)[0] == cfg.n_kv_heads).all()  # ... and none consistent
+    logits, ids, _ = _greedy((gd, st), cache, tokens)
+    assert float(jnp.max(jnp.abs(logits - ref_logits))) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    sparse = init_catekv_cache(cfg, 2, 128, none_adaptive, catekv_cfg=SMALL, max_new_tokens=N_NEW)
+    logits, _, _ = _greedy((gd, st), sparse, tokens)
+    assert float(jnp.max(jnp.abs(logits[:, 1:] - ref_logits[:, 1:]))) > 1e-3
+
+
 def test_bad_inputs_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="whole number of chunks"):
         CateKVConfig(budget=2050)
@@ -291,8 +313,6 @@ def test_bad_inputs_fail_clearly(tmp_path):
         CateKVConfig(budget=300)  # less than init + recent
     with pytest.raises(ValueError, match="n_kv_heads"):
         init_catekv_cache(CFG, 1, 128, np.ones((3, 2), bool), catekv_cfg=SMALL)
-    with pytest.raises(ValueError, match="sliding"):
-        init_catekv_cache(CFG.replace(sliding_window=16), 1, 128, np.ones((2, 2), bool), catekv_cfg=SMALL)
     mask = np.array([[True, False], [False, False]])
     path = save_head_mask(str(tmp_path), mask, CFG, SMALL)
     np.testing.assert_array_equal(load_head_mask(str(tmp_path), CFG), mask)
