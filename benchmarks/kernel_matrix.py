@@ -34,6 +34,8 @@ from pallasite.ops.attention.decode import (
 )
 from pallasite.ops.dispatch import target_platform
 from pallasite.ops.gmm import gmm
+from pallasite.ops.quant.fp4_gemm import FP4GemmSpec, fp4_dot
+from pallasite.ops.quant.fp4_kernel import quantize_rows
 from pallasite.ops.quant.int_gemm import int_gemm
 from pallasite.ops.quant.kron_quant import kron_quantize
 from pallasite.ops.quant.kv4_attention import kv4_decode_attention
@@ -50,7 +52,7 @@ MODELS = {
         ffn=1536,
         experts=8,
         kron=(24, 24),
-        families=("flash", "decode", "gmm", "quant"),
+        families=("flash", "decode", "gmm", "quant", "fp4"),
     ),
     "llama3-8b": dict(
         d=4096,
@@ -59,7 +61,7 @@ MODELS = {
         head_dim=128,
         ffn=14336,
         kron=(64, 64),
-        families=("flash", "decode", "quant"),
+        families=("flash", "decode", "quant", "fp4"),
     ),
     "mixtral-8x7b": dict(
         d=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, experts=8, families=("gmm",)
@@ -199,11 +201,41 @@ def _quant_cases(name, m):
     ]
 
 
+def _fp4_cases(name, m):
+    """FP4 training: the fused row quantizer (activations with OCC; weights per output channel,
+    i.e. rows of kernel.T) and a whole FP4 linear forward + backward (quantizers, FP8-valued GEMMs,
+    E5M2 gradients, DGE) at SmolLM2's FFN shape."""
+    D, F = m["d"], m["ffn"]
+
+    def act(x):
+        return quantize_rows(x, occ_alpha=0.99, impl="pallas", interpret=False)
+
+    def weight(w):
+        return quantize_rows(w.T, impl="pallas", interpret=False)
+
+    def linear(x, w):
+        spec = FP4GemmSpec(impl="pallas")
+        loss = lambda x, w: jnp.sum(fp4_dot(x, w, spec).astype(jnp.float32))  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    x_spec, w_spec = ((TOKENS, D), jnp.bfloat16), ((D, F), jnp.float32)
+    return [
+        Case("fp4_quant_act_occ", name, act, (x_spec,)),
+        Case("fp4_quant_weight", name, weight, (w_spec,)),
+    ] + (  # the whole linear (no kernel beyond the two above; its XLA part compiles for ~2 min
+        # on a loaded 2-core host, so only at the smallest shape)
+        [Case("fp4_linear_fwd_bwd", name, linear, (x_spec, w_spec))] if D <= 1024 else []
+    )
+
+
 def cases(models=tuple(MODELS)) -> list[Case]:
     out = []
     for name in models:
         m = MODELS[name]
-        makers = dict(flash=_flash_cases, decode=_decode_cases, gmm=_gmm_cases, quant=_quant_cases)
+        makers = dict(
+            flash=_flash_cases, decode=_decode_cases, gmm=_gmm_cases, quant=_quant_cases,
+            fp4=_fp4_cases,
+        )
         for family in m["families"]:
             out += makers[family](name, m)
     return out

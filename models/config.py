@@ -1,8 +1,10 @@
 """Model configuration: one frozen, hashable dataclass for every decoder-only family.
 
 Families are flags, not forks: llama (Llama 2/3, llama3 RoPE scaling, SmolLM2), mistral (sliding
-window), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), and the MoE families of
-``models/hf_moe.py``. Methods plug in through the seams, each validated against its registry
+window), qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorm), gemma3_text (``GEMMA3_FLAGS``: (1 + w)
+RMSNorm, sandwich norms, √d-scaled embeddings, query_pre_attn_scalar, interleaved local/global
+layers with their own RoPE bases, GeGLU) and the MoE families of ``models/hf_moe.py``.
+Methods plug in through the seams, each validated against its registry
 (``pallasite.registry``): ``ffn`` + ``ffn_config``, ``linear`` + ``linear_config``, ``kv_cache`` +
 ``kv_cache_config`` (the model's default serving cache) and ``attention_impl``. A ``*_config`` is
 the sub-config dataclass the kind registered (None -> its defaults; a mapping is validated).
@@ -23,6 +25,7 @@ SEAMS = (("ffn", "ffn_config", registry.FFN), ("linear", "linear_config", regist
          ("kv_cache", "kv_cache_config", registry.KV_CACHE))
 REMAT_KINDS = ("none", "full", "dots")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
+LAYER_TYPES = ("full", "sliding")  # per layer: global causal | causal within sliding_window
 
 
 def _freeze(value: Any) -> Any:
@@ -64,8 +67,15 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     qk_norm_scope: str = "head"  # head: RMSNorm per head (Qwen3) | full: over the whole q/k projection (OLMoE)
-    sliding_window: Optional[int] = None  # Mistral
+    sliding_window: Optional[int] = None  # Mistral: every layer; with layer_types: "sliding" ones
     hidden_act: str = "silu"
+    # Gemma 2/3 (all off by default, so other families are unchanged)
+    layer_types: Optional[tuple] = None  # per layer "full" | "sliding"; None: all layers alike
+    rope_local_theta: Optional[float] = None  # RoPE base of "sliding" layers (None: as global)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
+    sandwich_norm: bool = False  # also norm the attention / FFN outputs before the residual add
+    scale_embeddings: bool = False  # embedding output times sqrt(d_model), in the compute dtype
+    query_pre_attn_scalar: Optional[float] = None  # attention scale s**-0.5 (None: head_dim**-0.5)
     family: str = "llama"
     # numerics
     dtype: str = "float32"  # compute dtype of activations and matmuls
@@ -88,6 +98,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple):
             object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.eos_token_id, int):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         elif isinstance(self.eos_token_id, list):
@@ -102,6 +114,23 @@ class ModelConfig:
     @property
     def dh(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def layer_windows(self) -> tuple:
+        """Each layer's sliding window (None: full attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.n_layers
+        return tuple(self.sliding_window if t == "sliding" else None for t in self.layer_types)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """True when layers differ in attention (window, RoPE base): layer type is data then."""
+        return self.layer_types is not None and len(set(self.layer_types)) > 1
+
+    @property
+    def query_scale(self) -> float:
+        s = self.dh if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(s) ** -0.5
 
     @property
     def rope_scaling_dict(self) -> Optional[dict]:
@@ -134,6 +163,19 @@ class ModelConfig:
         need(self.qk_norm_scope in ("head", "full"), f"qk_norm_scope={self.qk_norm_scope!r}; expected head | full")
         need(self.remat in REMAT_KINDS, f"remat={self.remat!r}; expected one of {REMAT_KINDS}")
         need(self.hidden_act in ACTIVATIONS, f"hidden_act={self.hidden_act!r}; expected one of {ACTIVATIONS}")
+        need(self.sliding_window is None or int(self.sliding_window) > 0,
+             f"sliding_window={self.sliding_window!r} must be a positive integer or None")
+        if self.layer_types is not None:
+            need(len(self.layer_types) == self.n_layers,
+                 f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}")
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            need(not bad, f"layer_types {bad} unknown; expected each of {LAYER_TYPES}")
+            need("sliding" not in self.layer_types or self.sliding_window is not None,
+                 "layer_types has 'sliding' layers but sliding_window is None")
+        need(self.rope_local_theta is None or self.layer_types is not None,
+             "rope_local_theta needs layer_types (it is the RoPE base of the 'sliding' layers)")
+        need(self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) > 0,
+             f"query_pre_attn_scalar={self.query_pre_attn_scalar!r} must be positive or None")
 
     def to_dict(self) -> dict:
         out = {}
@@ -164,9 +206,20 @@ class ModelConfig:
         if self.qkv_bias:
             attn += dh * (self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * d * f
-        norms = 2 * d + (2 * dh if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norm else 2) * d + (2 * dh if self.qk_norm else 0)
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp + norms) + emb + d
+
+
+# Gemma 3 text (transformers' Gemma3ForCausalLM): the flags every gemma3_text config sets; the
+# shapes, layer_types, window and RoPE bases come from its config.json / GGUF metadata.
+GEMMA3_FLAGS = dict(family="gemma3_text", norm_unit_offset=True, sandwich_norm=True,
+                    scale_embeddings=True, qk_norm=True, qk_norm_scope="head")
+
+
+def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple:
+    """Gemma 3's interleave: every ``pattern``-th layer is global, the rest local (5 : 1)."""
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers))
 
 
 def model_config_from(d, *, vocab_size: Optional[int] = None) -> ModelConfig:

@@ -1,9 +1,9 @@
 """The per-call context every block, attention and FFN receives, and the taps channel.
 
-``ForwardContext`` carries what a layer may need besides its input: positions, the RoPE tables,
-segment ids, the token ids and the embedding-layer output (MoLE's experts read it), the layer
-index and the ``Taps``. Modules never take method-specific keyword arguments: they read the
-context.
+``ForwardContext`` carries what a layer may need besides its input: positions, the RoPE tables
+(``rope``; ``rope_local`` too when local layers have a RoPE base of their own), segment ids, the
+token ids and the embedding-layer output (MoLE's experts read it), the layer index and the
+``Taps``. Modules never take method-specific keyword arguments: they read the context.
 
 ``Taps`` observe and (for calibration) replace named activations inside the real blocks:
 ``x = ctx.tap("attn.k", x)`` returns ``taps.replace(name, x, layer)`` (identity by default) and
@@ -29,6 +29,7 @@ TAP_NAMES = {
     "attn.v": "values [B, T, K, Dh]",
     "attn.out": "attention output before o_proj [B, T, H*Dh]",
     "ffn.in": "FFN input after the post-attention norm [B, T, D]",
+    "ffn.hidden": "dense FFN hidden act(gate) * up, down_proj's input [B, T, F]",
     "ffn.out": "FFN output before the residual add [B, T, D]",
     "block.out": "block output, the residual stream [B, T, D]",
     "moe.router_probs": "router softmax over all experts [B*T, E] (MoE FFNs)",
@@ -64,6 +65,7 @@ class ForwardContext:
     layer: Any = None
     taps: Taps = NO_TAPS
     captured: dict = dataclasses.field(default_factory=dict)
+    rope_local: Optional[tuple] = None  # (cos, sin) of "sliding" layers when their base differs
 
     def for_layer(self, layer) -> "ForwardContext":
         """This context for one block, with a fresh record of captured values."""

@@ -81,21 +81,34 @@ def _dense_from_hf(cfg, read, prefix, layer, expected):
 
 HF_FFN.register("dense", (_dense_to_hf, _dense_from_hf))
 
-# Attention and norms are the same for every family (a linear kind keeps kernel/bias names).
-_BLOCK = [(("attn", n, "kernel"), f"self_attn.{n}.weight", True) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-_BLOCK += [(("attn", n, "bias"), f"self_attn.{n}.bias", False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-_BLOCK += [(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
-           (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
-           (("input_norm", "scale"), "input_layernorm.weight", False),
-           (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False)]
+# Attention is the same for every family (a linear kind keeps kernel/bias names).
+_ATTN = [(("attn", n, "kernel"), f"self_attn.{n}.weight", True) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+_ATTN += [(("attn", n, "bias"), f"self_attn.{n}.bias", False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+_ATTN += [(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+          (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False)]
+_NORMS = [(("input_norm", "scale"), "input_layernorm.weight", False),
+          (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False)]
+# Gemma 2/3 (cfg.sandwich_norm): HF's post_attention_layernorm norms the attention *output*; the
+# FFN's input norm (our post_attn_norm) is pre_feedforward_layernorm. Weights stay as HF stores
+# them (Gemma's (1 + w) is applied at run time, models/layers.py).
+_SANDWICH_NORMS = [(("input_norm", "scale"), "input_layernorm.weight", False),
+                   (("attn_out_norm", "scale"), "post_attention_layernorm.weight", False),
+                   (("post_attn_norm", "scale"), "pre_feedforward_layernorm.weight", False),
+                   (("ffn_out_norm", "scale"), "post_feedforward_layernorm.weight", False)]
+_BLOCK = _ATTN + _NORMS
+
+
+def block_table(cfg: ModelConfig) -> list:
+    """(pallasite path in a block, HF suffix, is a linear kernel) for the attention and norms."""
+    return _ATTN + (_SANDWICH_NORMS if cfg.sandwich_norm else _NORMS)
 _TOP = [(("embed", "embedding"), "model.embed_tokens.weight", False),
         (("final_norm", "scale"), "model.norm.weight", False),
         (("lm_head", "kernel"), "lm_head.weight", True)]
 
 
-def _split_block(rel_params: Mapping[tuple, Any]):
+def _split_block(rel_params: Mapping[tuple, Any], table: list = _BLOCK):
     """Split a block's params into (attention + norms, ffn relative to the ffn module, unknown)."""
-    block_keys = {p for p, _, _ in _BLOCK}
+    block_keys = {p for p, _, _ in table}
     base, ffn, unknown = {}, {}, []
     for p, v in rel_params.items():
         if p in block_keys:
@@ -287,7 +300,8 @@ def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg:
                 layer_shapes[p[1:]] = v.shape[1:]
             elif p[1] == 0:
                 layer_shapes[p[2:]] = v.shape
-    base_shapes, ffn_shapes, unknown = _split_block(layer_shapes)
+    table = block_table(cfg)
+    base_shapes, ffn_shapes, unknown = _split_block(layer_shapes, table)
     if unknown:
         raise CheckpointMismatchError(f"no HF mapping for pallasite block parameters {unknown}")
     _, ffn_from_hf = _ffn_mapping(cfg.ffn)
@@ -306,7 +320,7 @@ def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg:
     for i in range(cfg.n_layers):
         prefix = _layer_prefix(i)
         layer = {p: (linear_from_hf(read, prefix + hf, base_shapes[p]) if lin else read(prefix + hf, shape=base_shapes[p]))
-                 for p, hf, lin in _BLOCK if p in base_shapes}
+                 for p, hf, lin in table if p in base_shapes}
         ffn = ffn_from_hf(cfg, read, prefix, i, ffn_shapes)
         _check_cover(ffn, ffn_shapes, f"layer {i} ffn ({cfg.ffn})")
         layer.update({("ffn",) + p: v for p, v in ffn.items()})
@@ -356,12 +370,13 @@ def state_to_hf_tensors(cfg: ModelConfig, state) -> dict[str, np.ndarray]:
     if top:
         raise ValueError(f"export_hf: no HF mapping for top-level parameters {sorted(top)}")
     ffn_to_hf, _ = _ffn_mapping(cfg.ffn)
+    table = block_table(cfg)
     for i, layer in enumerate(layers):
         prefix = _layer_prefix(i)
-        base, ffn, unknown = _split_block(layer)
+        base, ffn, unknown = _split_block(layer, table)
         if unknown:
             raise ValueError(f"export_hf: no HF mapping for layer {i} parameters {unknown}")
-        for p, hf, lin in _BLOCK:
+        for p, hf, lin in table:
             if p in base:
                 out[prefix + hf] = linear_to_hf(base[p]) if lin else base[p]
         out.update(ffn_to_hf(cfg, ffn, prefix, i))

@@ -4,8 +4,8 @@
 ``from_hf(hf: dict) -> ModelConfig`` (``family`` = ``model_type``; ``config_to_hf`` dispatches on
 ``cfg.family``) and ``to_hf(cfg) -> dict``, its inverse (``model_type``, ``architectures`` and
 ``dtype`` are filled in here). ``dense_config_kwargs`` / ``dense_config_to_hf`` hold the fields every
-Llama-style config shares. Built in: llama, mistral, qwen2, qwen3 (here) and the MoE families
-(``models/hf_moe.py``), found through ``pallasite.registry``.
+Llama-style config shares. Built in: llama, mistral, qwen2, qwen3, gemma3_text (here) and the MoE
+families (``models/hf_moe.py``), found through ``pallasite.registry``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from pallasite.models.config import ModelConfig
+from pallasite.models.config import GEMMA3_FLAGS, ModelConfig, gemma3_layer_types
 from pallasite.registry import HF_MODEL_TYPE
 
 _HF_ACT = {"silu": "silu", "swish": "silu", "gelu": "gelu_exact", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
@@ -212,6 +212,90 @@ register_model_type("llama", from_hf=_llama_from_hf, to_hf=_llama_to_hf, archite
 register_model_type("mistral", from_hf=_mistral_from_hf, to_hf=_mistral_to_hf, architecture="MistralForCausalLM")
 register_model_type("qwen2", from_hf=_qwen2_from_hf, to_hf=_qwen2_to_hf, architecture="Qwen2ForCausalLM")
 register_model_type("qwen3", from_hf=_qwen3_from_hf, to_hf=_qwen3_to_hf, architecture="Qwen3ForCausalLM")
+
+
+# ---------------------------------------------------------------- Gemma 3 (text)
+_GEMMA3_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+_GEMMA3_UNSUPPORTED = ("final_logit_softcapping", "attn_logit_softcapping")
+_G3 = "HF config (gemma3_text)"
+
+
+def _gemma3_rope(hf: Mapping) -> tuple[dict, dict]:
+    """(global, local) RoPE parameters from v5's per-layer-type ``rope_parameters`` or the older
+    ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (defaults: 1M global, 10k local)."""
+    params = hf.get("rope_parameters")
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        glob = dict(params.get("full_attention") or {})
+        loc = dict(params.get("sliding_attention") or {})
+    else:
+        glob = {**(hf.get("rope_scaling") or {}), **(params or {})}
+        loc = {"rope_type": "default"}
+        if hf.get("rope_local_base_freq") is not None:
+            loc["rope_theta"] = hf["rope_local_base_freq"]
+    glob.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    loc.setdefault("rope_theta", 10_000.0)
+    return glob, loc
+
+
+def _gemma3_layer_types(hf: Mapping, n: int) -> tuple:
+    hf_types = hf.get("layer_types")
+    if hf_types is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        return gemma3_layer_types(n, pattern)
+    if set(hf_types) - set(_GEMMA3_LAYER_TYPES) or len(hf_types) != n:
+        raise ValueError(f"{_G3}: layer_types must be {n} of {sorted(_GEMMA3_LAYER_TYPES)}; "
+                         f"got {hf_types}")
+    return tuple(_GEMMA3_LAYER_TYPES[t] for t in hf_types)
+
+
+def _gemma3_from_hf(hf):
+    for key in _GEMMA3_UNSUPPORTED:
+        if hf.get(key) is not None:
+            raise ValueError(f"{_G3}: {key}={hf[key]} is not supported (pallasite implements no "
+                             "logit soft-capping; Gemma 3 checkpoints carry none)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{_G3}: use_bidirectional_attention=True is not supported (causal only)")
+    types = _gemma3_layer_types(hf, int(_need(hf, "num_hidden_layers")))
+    window = hf.get("sliding_window")
+    if "sliding" in types and window is None:
+        raise ValueError(f"{_G3}: sliding_attention layers need sliding_window")
+    glob, loc = _gemma3_rope(hf)
+    theta_local, local_scaling = rope_from_hf({"rope_parameters": loc})
+    if local_scaling is not None:
+        raise ValueError(f"{_G3}: RoPE scaling of the sliding layers ({loc}) is not supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    flat = {k: v for k, v in hf.items() if k not in ("rope_scaling", "sliding_window")}
+    flat.update(rope_parameters=glob, hidden_act=act,
+                tie_word_embeddings=hf.get("tie_word_embeddings", True))
+    bias = bool(hf.get("attention_bias", False))
+    kwargs = {**dense_config_kwargs(flat), **GEMMA3_FLAGS}
+    kwargs.update(layer_types=types, sliding_window=None if "sliding" not in types else int(window),
+                  rope_local_theta=theta_local, qkv_bias=bias, o_bias=bias,
+                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
+    return ModelConfig(**kwargs)
+
+
+def _gemma3_to_hf(cfg):
+    _reject(cfg, "gemma3_text", mlp_bias=False, o_bias=cfg.qkv_bias,
+            **{k: v for k, v in GEMMA3_FLAGS.items() if k != "family"})
+    out = dense_config_to_hf(cfg)
+    out["hidden_activation"] = out.pop("hidden_act")  # (already the HF spelling)
+    glob = out["rope_parameters"]
+    loc = dict(glob) if cfg.rope_local_theta is None else {"rope_type": "default",
+                                                          "rope_theta": cfg.rope_local_theta}
+    out["rope_parameters"] = {"full_attention": glob, "sliding_attention": loc}
+    types = cfg.layer_types or (("sliding" if cfg.sliding_window else "full"),) * cfg.n_layers
+    names = {v: k for k, v in _GEMMA3_LAYER_TYPES.items()}
+    qpas = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.dh
+    out.update(layer_types=[names[t] for t in types], sliding_window=cfg.sliding_window,
+               query_pre_attn_scalar=int(qpas) if float(qpas).is_integer() else qpas,
+               attention_bias=cfg.qkv_bias, final_logit_softcapping=None,
+               attn_logit_softcapping=None, use_bidirectional_attention=False)
+    return out
+
+
+register_model_type("gemma3_text", from_hf=_gemma3_from_hf, to_hf=_gemma3_to_hf,
+                    architecture="Gemma3ForCausalLM")
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:

@@ -14,6 +14,7 @@ precompute what all of them need (identity by default).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -78,35 +79,44 @@ def make_linear(in_features, out_features, *, cfg: ModelConfig, axes, use_bias=F
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32, HF convention: x / rms(x) * w."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32, HF convention: x / rms(x) * w; with
+    ``cfg.norm_unit_offset`` (Gemma) x / rms(x) * (1 + w), w stored as HF stores it (init 0)."""
 
     def __init__(self, dim: int, *, cfg: ModelConfig, eps: Optional[float] = None, axis_name: str = "norm",
                  rngs: nnx.Rngs | None = None):
         self.eps = cfg.norm_eps if eps is None else eps
         self.dtype = jnp.dtype(cfg.dtype)
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)), logical_axes=(axis_name,))
+        self.unit_offset = bool(cfg.norm_unit_offset)
+        init = jnp.zeros if self.unit_offset else jnp.ones  # either way the initial scale is 1
+        self.scale = nnx.Param(init((dim,), jnp.dtype(cfg.param_dtype)), logical_axes=(axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps).astype(self.dtype)
+        y = rms_norm(x, self.scale[...], self.eps, unit_offset=self.unit_offset)
+        return y.astype(self.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, unit_offset: bool = False) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return x32 * scale.astype(jnp.float32)
+    scale32 = scale.astype(jnp.float32)
+    return x32 * (1.0 + scale32 if unit_offset else scale32)
 
 
 class Embed(nnx.Module):
-    """Token embedding table [V, D]; ``attend`` gives tied-embedding logits."""
+    """Token embedding table [V, D]; ``attend`` gives tied-embedding logits. With
+    ``cfg.scale_embeddings`` (Gemma) the lookup is multiplied by sqrt(D) rounded to the compute
+    dtype (as Gemma's own ``Embedder.encode``; in bf16 sqrt(640) = 25.298 becomes 25.25)."""
 
     def __init__(self, vocab_size: int, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(cfg.dtype)
+        self.multiplier = math.sqrt(dim) if cfg.scale_embeddings else None
         self.embedding = nnx.Param(
             _normal(0.02)(rngs.params(), (vocab_size, dim), jnp.dtype(cfg.param_dtype)), logical_axes=("vocab", "embed")
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T,

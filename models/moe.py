@@ -10,8 +10,10 @@ With an ``expert`` mesh axis of size > 1 (``jax.set_mesh`` or ``mesh=``) experts
 tokens travel by ``shard_map`` + ``all_to_all`` (``models/moe_dispatch.py``; ``dispatch="occult"``
 sends one replica per (token, device), Luo et al. ICML 2025). Routing is computed outside the
 ``shard_map``, so expert-parallel and single-device layers agree, drops included.
-Deviations: the shared expert and the router are replicated; expert weights are stacked tensors,
-not ``Linear``s, so linear kinds do not apply to them. Taps: ``moe.router_probs``, ``moe.experts``.
+Deviations: the shared expert and the router are replicated. Expert weights are stacked tensors,
+not ``Linear``s: a linear kind reaches them only through its ``grouped_matmul`` (FP4 training
+defines one, ``models/moe_experts.linear_grouped_matmul``); the router stays float32. Taps:
+``moe.router_probs``, ``moe.experts``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pallasite.models.context import ForwardContext
 from pallasite.models.ffn import DenseFFN
 from pallasite.models.layers import activation
 from pallasite.models.moe_dispatch import expert_parallel_ffn
-from pallasite.models.moe_experts import expert_ffn_rows
+from pallasite.models.moe_experts import expert_ffn_rows, linear_grouped_matmul
 from pallasite.models.moe_routing import aux_losses, capacity_keep, expert_capacity, prune_routing, route
 from pallasite.registry import FFN
 
@@ -59,6 +61,9 @@ class MoEConfig:
     occult_devices: Optional[int] = None
     occult_max_devices: Optional[int] = None
     prune: str = "score"  # score | similarity
+    # Occult placement file (occult.Placement JSON; relative: the model's folder), applied to the
+    # expert weights and router columns when the model is loaded (pallasite.load)
+    placement: Optional[str] = None
 
     def __post_init__(self):
         def need(cond, msg):
@@ -179,11 +184,13 @@ class MoE(nnx.Module):
         w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
         ep_mesh = _expert_mesh(mesh, m.expert_axis)
         w_gate = None if self.w_gate is None else self.w_gate[...]
+        mm = linear_grouped_matmul(self.cfg)  # None: plain gmm; else the linear kind's (e.g. FP4)
         if ep_mesh is None:
             e_masked = jnp.where(keep_BTK, e_BTK, -1)
             y = expert_ffn_rows(
                 x_BTD.reshape(B * T, D), e_masked.reshape(B * T, -1), w_BTK.reshape(B * T, -1),
                 w_gate, self.w_up[...], self.w_down[...], act=self.act, gmm_impl=m.gmm_impl,
+                grouped_matmul=mm,
             ).reshape(B, T, D)
         else:
             capacity = (expert_capacity(T, m.top_k, m.num_experts, m.capacity_factor)
@@ -191,7 +198,7 @@ class MoE(nnx.Module):
             y = expert_parallel_ffn(
                 x_BTD, e_BTK, w_BTK, keep_BTK, w_gate, self.w_up[...], self.w_down[...],
                 mesh=ep_mesh, expert_axis=m.expert_axis, mode=m.dispatch, act=self.act, gmm_impl=m.gmm_impl,
-                expert_capacity=capacity,
+                expert_capacity=capacity, grouped_matmul=mm,
             )
         if self.shared_expert is not None:
             s, _ = self.shared_expert(x_BTD, ctx)

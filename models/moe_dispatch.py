@@ -65,7 +65,7 @@ def buffer_rows(n_tokens: int, top_k: int, experts_per_device: int, mode: str,
 
 
 def _local_dispatch(x_ND, experts_NK, weights_NK, keep_NK, w_gate, w_up, w_down, *, axis, num_devices, mode,
-                    act, gmm_impl, rows):
+                    act, gmm_impl, rows, grouped_matmul=None):
     """Body of the shard_map on one device (x, routing: this device's tokens; weights: its experts)."""
     N, D = x_ND.shape
     K = experts_NK.shape[1]
@@ -91,6 +91,7 @@ def _local_dispatch(x_ND, experts_NK, weights_NK, keep_NK, w_gate, w_up, w_down,
     y_recv = expert_ffn_rows(
         x_recv.reshape(num_devices * rows, D), e_recv.reshape(num_devices * rows, S),
         w_recv.reshape(num_devices * rows, S), w_gate, w_up, w_down, act=act, gmm_impl=gmm_impl,
+        grouped_matmul=grouped_matmul,
     ).reshape(num_devices, rows, D)
     y_back = a2a(y_recv)
 
@@ -119,7 +120,7 @@ def token_axes(mesh, batch_size: int, expert_axis: str) -> tuple[str, ...]:
 
 def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh,
                         expert_axis: str = "expert", mode: str = "standard", act=jax.nn.silu, gmm_impl: str = "auto",
-                        expert_capacity: Optional[int] = None):
+                        expert_capacity: Optional[int] = None, grouped_matmul=None):
     """Expert-parallel routed FFN; equals ``expert_ffn_rows`` on one device (see module doc).
     ``w_gate_EDF=None``: non-gated experts (``MoEConfig.gated=False``)."""
     B, T, D = x_BTD.shape
@@ -149,6 +150,7 @@ def expert_parallel_ffn(x_BTD, experts_BTK, weights_BTK, keep_BTK, w_gate_EDF, w
         y = _local_dispatch(
             x.reshape(b * T, D), e.reshape(b * T, K), w.reshape(b * T, K), keep.reshape(b * T, K), wg, wu, wd,
             axis=expert_axis, num_devices=n_dev, mode=mode, act=act, gmm_impl=gmm_impl, rows=rows,
+            grouped_matmul=grouped_matmul,
         )
         return y.reshape(b, T, D)
 

@@ -8,12 +8,24 @@ dispatch (``models/moe_dispatch.py``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from pallasite.ops.gmm import gmm
+from pallasite.registry import LINEAR
 
-def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, gmm_impl="auto"):
+
+def linear_grouped_matmul(cfg):
+    """The linear kind's GEMM in expert-group form (``cls.grouped_matmul(x, w, group_sizes, *, impl,
+    cfg)``, e.g. FP4 training's), bound to ``cfg``; None when the kind has none (plain ``gmm``)."""
+    fn = getattr(LINEAR.get(cfg.linear, field="ModelConfig.linear"), "grouped_matmul", None)
+    return None if fn is None else functools.partial(fn, cfg=cfg)
+
+
+def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, *, act, gmm_impl="auto",
+                    grouped_matmul=None):
     """y_r = Σ_s weights[r,s] · Expert_{experts[r,s]}(x_r); expert id −1 means an empty slot.
 
     Expert_e(x) = down_e(act(x·gate_e) ⊙ x·up_e), or down_e(act(x·up_e)) when ``w_gate_EDF`` is
@@ -22,10 +34,14 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     The (row, slot) pairs are sorted by expert and the experts run as grouped matmuls over
     the sorted rows (dropless). Used by the single-device layer (rows = tokens, slots = the k
     choices) and on every device of the expert-parallel dispatch (rows = received buffer
-    rows, slots = the local experts a row visits)."""
+    rows, slots = the local experts a row visits).
+
+    ``grouped_matmul`` (from ``linear_grouped_matmul``) replaces ``gmm`` for the three expert
+    GEMMs and gets the float master weights; the decode-size shortcuts, which are plain einsums,
+    are then skipped so every input takes the kind's GEMM."""
     R, S = experts_RS.shape
     E = w_up_EDF.shape[0]
-    if gmm_impl == "auto":
+    if gmm_impl == "auto" and grouped_matmul is None:
         small = _small_batch_path(R, S, E)
         if small is not None:  # decode-sized batches: sorting into padded tiles would waste ≥ E tiles
             return small(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_EFD, act)
@@ -37,12 +53,13 @@ def expert_ffn_rows(x_RD, experts_RS, weights_RS, w_gate_EDF, w_up_EDF, w_down_E
     dt = x_RD.dtype
     if gmm_impl == "auto":  # ragged_dot costs ~E× its FLOPs on XLA:CPU; the padded-tile path does not
         gmm_impl = "tiles" if jax.default_backend() == "cpu" else "ref"
-    u = gmm(xs_PD, w_up_EDF.astype(dt), group_sizes, impl=gmm_impl)
-    if w_gate_EDF is None:
-        h = act(u)
+    if grouped_matmul is None:
+        mm = lambda x, w: gmm(x, w.astype(dt), group_sizes, impl=gmm_impl)  # noqa: E731
     else:
-        h = act(gmm(xs_PD, w_gate_EDF.astype(dt), group_sizes, impl=gmm_impl)) * u
-    ys_PD = gmm(h, w_down_EFD.astype(dt), group_sizes, impl=gmm_impl)
+        mm = lambda x, w: grouped_matmul(x, w, group_sizes, impl=gmm_impl)  # noqa: E731
+    u = mm(xs_PD, w_up_EDF)
+    h = act(u) if w_gate_EDF is None else act(mm(xs_PD, w_gate_EDF)) * u
+    ys_PD = mm(h, w_down_EFD)
     inv_P = jnp.argsort(order_P)
     y_RSD = jnp.take(ys_PD, inv_P, axis=0).reshape(R, S, -1)
     w_RS = jnp.where(experts_RS < 0, 0.0, weights_RS).astype(jnp.float32)

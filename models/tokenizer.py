@@ -1,4 +1,5 @@
-"""Tokenizers: load any Hugging Face tokenizer folder; train a byte-level BPE from text.
+"""Tokenizers: load any Hugging Face tokenizer folder; train a byte-level BPE from text; rebuild
+the tokenizer a GGUF file describes (``GGUFVocab``: byte-level BPE or SentencePiece BPE).
 
 ``train_bpe`` builds the GPT-2 style byte-level BPE (Radford et al. 2019; Sennrich et al. 2016)
 with the ``tokenizers`` library: ``models.BPE`` over the 256-symbol byte alphabet (so every
@@ -7,12 +8,22 @@ prefix space) and ``decoders.ByteLevel``; ``BpeTrainer`` learns merges up to ``v
 Special tokens come first (ids 0, 1, 2 for the defaults pad/bos/eos). No post-processor adds
 bos/eos implicitly: the data pipeline appends eos itself, so what a sequence contains is
 decided in one place.
+
+``sentencepiece_bpe_tokenizer`` rebuilds a SentencePiece BPE vocabulary (llama.cpp's ``llama``
+tokenizer model, e.g. Gemma 3) with ``tokenizers`` alone: spaces become "▁" (a "▁" is prepended
+only with ``add_space_prefix``), BPE merges are derived from the pieces in id order (SentencePiece
+merges the pair whose merged piece scores best; a GGUF's normal pieces are stored best first),
+unknown characters fall back to ``<0xNN>`` byte pieces, CONTROL pieces are special added tokens and
+USER_DEFINED ones plain added tokens (matched whole), whitespace-only pieces stored with real
+spaces are respelled with "▁". Same construction as transformers' GGUF converter; the measured
+comparison and its divergence classes are in docs/models.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json + merges.txt", "tokenizer.model")
 DEFAULT_SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
@@ -87,4 +98,151 @@ def encode_batch(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-__all__ = ["load_tokenizer", "train_bpe", "encode_batch", "DEFAULT_SPECIAL_TOKENS"]
+# ----------------------------------------------------------------- GGUF vocabularies
+# gguf token types (llama.cpp's llama_token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3
+TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
+SPACE_SYMBOL = "\u2581"  # SentencePiece's "▁"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVocab:
+    """What a GGUF's ``tokenizer.ggml.*`` metadata says (ids index ``tokens``)."""
+
+    tokens: tuple
+    types: tuple
+    merges: Optional[tuple] = None  # "a b" strings (byte-level BPE)
+    pre: str = "default"  # tokenizer.ggml.pre
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    unk_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool = False
+    chat_template: Optional[str] = None
+
+    def token(self, i: Optional[int]) -> Optional[str]:
+        return None if i is None else self.tokens[int(i)]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable-unicode map (the byte-level BPE alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def byte_level_bpe_tokenizer(v: GGUFVocab, splits: Sequence[str]):
+    """Byte-level BPE (llama.cpp's ``gpt2`` model) from the file's tokens and merges; ``splits`` are
+    the pre-tokenizer regexes applied in order (each isolates its matches)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if v.merges is None:
+        raise ValueError("GGUF tokenizer: byte-level BPE without tokenizer.ggml.merges "
+                         "is not supported")
+    byte_alphabet = bytes_to_unicode()
+    alphabet = set(byte_alphabet.values())
+    vocab = {}
+    for i, tok in enumerate(v.tokens):
+        # Regular tokens are stored in the byte-level spelling already; respell any that are not
+        # (llama.cpp keeps some added tokens raw) so the BPE model can produce them.
+        spelled = tok if set(tok) <= alphabet else "".join(byte_alphabet[b]
+                                                           for b in tok.encode("utf-8"))
+        vocab.setdefault(spelled, i)
+    merges = [tuple(m.split(" ", 1)) for m in v.merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    user = [(t, False) for t, ty in zip(v.tokens, v.types) if ty == TOKEN_USER_DEFINED]
+    return _finish(tok, v, user)
+
+
+def sentencepiece_pieces(v: GGUFVocab) -> list[str]:
+    """The pieces as SentencePiece spells them: whitespace-only pieces that the GGUF stores with
+    real spaces (Gemma's "  ", "   ", ...) get their "▁" back."""
+    return [SPACE_SYMBOL * len(t) if " " in t and not t.strip() else t for t in v.tokens]
+
+
+def sentencepiece_merges(pieces: Sequence[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split (left, right) of a piece into
+    two pieces, ranked by the merged piece's id (best score first), longer left part first."""
+    index = {}
+    for i, p in enumerate(pieces):
+        index.setdefault(p, i)
+    merges = []
+    for i, piece in enumerate(pieces):
+        if index[piece] != i:
+            continue
+        for cut in range(len(piece) - 1, 0, -1):  # longer left part first
+            left, right = piece[:cut], piece[cut:]
+            if left in index and right in index:
+                merges.append((left, right))
+    return merges
+
+
+def sentencepiece_bpe_tokenizer(v: GGUFVocab):
+    """SentencePiece BPE with byte fallback (llama.cpp's ``llama`` model, Gemma's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    pieces = sentencepiece_pieces(v)
+    vocab = {}
+    for i, p in enumerate(pieces):
+        vocab.setdefault(p, i)
+    unk = v.token(v.unk_id)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(pieces), unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend(SPACE_SYMBOL)] if v.add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE_SYMBOL)])
+    decode = [decoders.Replace(SPACE_SYMBOL, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if v.add_space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decode)
+    # USER_DEFINED pieces are matched whole, longest first, as SentencePiece's prefix matcher does;
+    # the respelled whitespace runs ("▁▁", ...) exist only after normalisation, so they are matched
+    # there (a run longer than the longest piece is cut greedily, 31 + rest for Gemma 3).
+    user = [(p, p != t) for t, p, ty in zip(v.tokens, pieces, v.types) if ty == TOKEN_USER_DEFINED]
+    return _finish(tok, v, user)
+
+
+def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
+    """Added tokens (CONTROL: special, matched in the raw text; USER_DEFINED ``(piece, matched in
+    the normalised text)``: plain), bos/eos post-processing and the transformers wrapper."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(v.tokens, v.types) if ty == TOKEN_CONTROL]
+    user = [AddedToken(t, special=False, normalized=norm) for t, norm in user_defined]
+    tok.add_special_tokens(control)
+    tok.add_tokens(user)
+    bos, eos = v.token(v.bos_id), v.token(v.eos_id)
+    add_bos, add_eos = v.add_bos and bos is not None, v.add_eos and eos is not None
+    if add_bos or add_eos:
+        pre, post = (f"{bos}:0 " if add_bos else ""), (f" {eos}:0" if add_eos else "")
+        pre1, post1 = (f"{bos}:1 " if add_bos else ""), (f" {eos}:1" if add_eos else "")
+        ends = ((bos, v.bos_id, add_bos), (eos, v.eos_id, add_eos))
+        specials = [(t, i) for t, i, on in ends if on]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{pre}$A:0{post}", pair=f"{pre}$A:0{post} {pre1}$B:1{post1}",
+            special_tokens=specials)
+    kwargs = dict(bos_token=bos, eos_token=eos, pad_token=v.token(v.pad_id),
+                  unk_token=v.token(v.unk_id))
+    kwargs = {k: val for k, val in kwargs.items() if val is not None}
+    if v.chat_template is not None:
+        kwargs["chat_template"] = v.chat_template
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+__all__ = ["load_tokenizer", "train_bpe", "encode_batch", "DEFAULT_SPECIAL_TOKENS", "GGUFVocab",
+           "byte_level_bpe_tokenizer", "sentencepiece_bpe_tokenizer", "sentencepiece_merges",
+           "bytes_to_unicode"]

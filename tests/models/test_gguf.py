@@ -173,7 +173,8 @@ def test_tiny_gguf_tokenizer(tiny_llama):
 def test_gguf_errors(tiny_llama, tmp_path):
     model, _ = tiny_llama["llama"]
     p = write_tiny_gguf(model, tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \['llama'\]"):
+    with pytest.raises(ValueError,
+                       match=r"architecture 'gpt2' is not supported; supported: \['llama', 'gemma3'\]"):
         G.import_gguf(p)
     p = write_tiny_gguf(model, tmp_path / "missing.gguf", drop=("blk.1.ffn_up.weight",))
     with pytest.raises(CheckpointMismatchError, match=r"missing tensor 'blk.1.ffn_up.weight' \(expected shape \(128, 64\)\)"):

@@ -249,7 +249,8 @@ def test_tied_head_in_file(tiny, tmp_path):
 
 
 def test_config_errors_and_old_style_rope():
-    with pytest.raises(ValueError, match=r"model_type='gpt2' is not a registered.*known: llama, mistral, mixtral"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='gpt2' is not a registered.*known: gemma3_text, llama, mistral, mixtral"):
         hf_config.config_from_hf({"model_type": "gpt2"})
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2)
