@@ -37,7 +37,8 @@ Repetitions are interleaved round-robin over every (batch, system), so load drif
 machine hits all systems alike; the MoLE / dense ratios are also reported as the median of the
 per-repetition ratios (``*_median``), which is the more robust figure on a noisy machine.
 ``--quick`` compiles fewer variants (batch > 1: dense, MoE-offloaded, MoLE host / device only)
-and stops repeating after ``--time-budget`` seconds of timing (default 40 s; at least 2 reps); device-resident parameter bytes
+and stops repeating after ``--time-budget`` seconds of timing (default 40 s; at least 2 reps);
+device-resident parameter bytes
 (``nnx.Param`` leaves on the device; the KV cache is the same for all and not counted; for
 ``moe_offload`` the static per-layer expert buffer is added); bytes moved host→device per
 generated token (counted in the callbacks; for ``moe_offload`` both the buffer actually
@@ -64,9 +65,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compute_on import compute_on
 
-from pallasite.inference import mole_decode as MD
 from pallasite.inference import engine
+from pallasite.inference import mole_decode as MD
 from pallasite.inference.cache import init_dense_cache
 from pallasite.inference.engine import SamplingStrategy
 from pallasite.inference.sampling import SamplingParams
@@ -92,19 +94,25 @@ SIZES = {  # d, L, heads, D_s, vocab
 def make_cfg(size: str, kind: str, *, n_mole: int = 4, n_moe: int = 10, top_k: int = 2) -> ModelConfig:
     s = SIZES[size]
     d = dict(family="llama", vocab_size=s["vocab_size"], d_model=s["d_model"], n_layers=s["n_layers"],
-             n_heads=s["n_heads"], n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=4096, hidden_act="gelu_exact")
-    d.update(expert_variant_fields({"dense": "dense", "moe": f"moe{n_moe}", "mole": f"mole{n_mole}"}[kind], s["d_ff"], top_k=top_k))
+             n_heads=s["n_heads"], n_kv_heads=s["n_heads"], d_ff=s["d_ff"], max_seq_len=4096,
+             hidden_act="gelu_exact")
+    variant = {"dense": "dense", "moe": f"moe{n_moe}", "mole": f"mole{n_mole}"}[kind]
+    d.update(expert_variant_fields(variant, s["d_ff"], top_k=top_k))
     return ModelConfig.from_dict(d)
 
 
 # ----------------------------------------------------------------------------- MoE offloaded
+OFFLOAD_DTYPE = np.float16  # offloaded bytes are moved in the LUT's dtype (fp16), for MoE and MoLE alike
+
+
 class HostExperts:
-    """Expert weights of one MoE layer in host RAM; ``fetch`` returns the step's unique experts
-    in a static buffer of ``slots`` rows plus the remapped slot ids (host callback)."""
+    """Expert weights of one MoE layer in host RAM, stored in ``OFFLOAD_DTYPE`` (fp16, the LUT's
+    dtype); ``fetch`` returns the step's unique experts in a static buffer of ``slots`` rows plus
+    the remapped slot ids (host callback)."""
 
     def __init__(self, w_gate, w_up, w_down, slots: int, stats: dict):
         # (gate, up, down) for SwiGLU-form experts, (up, down) for non-gated ones (w_gate None)
-        self.w = tuple(np.asarray(w) for w in (w_gate, w_up, w_down) if w is not None)
+        self.w = tuple(np.asarray(w).astype(OFFLOAD_DTYPE) for w in (w_gate, w_up, w_down) if w is not None)
         self.slots, self.stats = slots, stats  # slots of a decode step (T = 1)
         self.expert_bytes = sum(a[0].nbytes for a in self.w)
 
@@ -139,6 +147,7 @@ class OffloadedMoE(nnx.Module):
         shapes = tuple(jax.ShapeDtypeStruct((U,) + a.shape[1:], a.dtype) for a in ws) + (
             jax.ShapeDtypeStruct(e.shape, jnp.int32),)
         *bufs, local = jax.pure_callback(self.host.fetch, shapes, e, vmap_method="sequential")
+        bufs = [b.astype(self.dtype) for b in bufs]  # moved as fp16, computed in the model dtype
         g_b, u_b, d_b = bufs if len(bufs) == 3 else (None, *bufs)
         y = expert_ffn_rows(x, local, w, g_b, u_b, d_b, act=activation(self.act_name))
         return y.reshape(B, T, D), {}
@@ -155,9 +164,63 @@ def offload_moe(model, batch_size: int, stats: dict):
     return model
 
 
+# ----------------------------------------------------------------------------- MoE in host memory
+class HostExpertArray(nnx.Variable):
+    """One expert weight stack [E, ...] in the backend's host memory space (not a parameter, not
+    device-resident) — the MoE counterpart of ``inference.mole_decode.HostLUTArray``."""
+
+
+@compute_on("device_host")
+@jax.jit
+def _gather_experts_on_host(w_EXY, ids_U):
+    """Runs in host memory next to the weights, like MoLE's host-memory row gather."""
+    return w_EXY.at[ids_U].get(mode="promise_in_bounds")
+
+
+class HostMemoryMoE(nnx.Module):
+    """MoE FFN whose experts live in the host memory space (``pinned_host``) in fp16: routing on the
+    device, the step's unique experts (a static U = min(E, B·T·k) slots, ``jnp.unique``) gathered
+    in host memory and moved to the device in the compiled graph — the same mechanism and dtype as
+    MoLE's ``serve_in_host_memory`` (no host callback), so the MoE/MoLE ratio measures bytes."""
+
+    def __init__(self, moe_ffn, top_k: int, norm_topk_prob: bool, act: str, dtype, sharding):
+        self.router = nnx.Param(moe_ffn.router[...])
+        ws = [w for w in (moe_ffn.w_gate, moe_ffn.w_up, moe_ffn.w_down) if w is not None]
+        self.gated = moe_ffn.w_gate is not None
+        self.w = nnx.List([HostExpertArray(jax.device_put(np.asarray(w[...]).astype(OFFLOAD_DTYPE), sharding))
+                           for w in ws])
+        self.num_experts = int(ws[0].shape[0])
+        self.expert_bytes = sum(int(np.prod(w.shape[1:])) * np.dtype(OFFLOAD_DTYPE).itemsize for w in ws)
+        self.top_k, self.norm, self.act_name, self.dtype = top_k, norm_topk_prob, act, dtype
+
+    def __call__(self, x_BTD, ctx=None):
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(B * T, D).astype(self.dtype)
+        logits = jnp.dot(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        _, w, e = route(logits, self.top_k, norm_topk_prob=self.norm)
+        U = min(self.num_experts, B * T * self.top_k)
+        uniq, inv = jnp.unique(e.reshape(-1), size=U, fill_value=0, return_inverse=True)
+        ids = jax.device_put(uniq.astype(jnp.int32), jax.memory.Space.Host)
+        bufs = [jax.device_put(_gather_experts_on_host(a[...], ids), jax.memory.Space.Device).astype(self.dtype)
+                for a in self.w]
+        g_b, u_b, d_b = bufs if self.gated else (None, *bufs)
+        local = inv.reshape(e.shape).astype(jnp.int32)
+        y = expert_ffn_rows(x, local, w, g_b, u_b, d_b, act=activation(self.act_name))
+        return y.reshape(B, T, D), {}
+
+
+def offload_moe_host_memory(model, sharding):
+    cfg = model.cfg
+    m = moe_config_of(cfg)
+    for block in model.layers:
+        block.ffn = HostMemoryMoE(block.ffn, m.top_k, m.norm_topk_prob, cfg.hidden_act, jnp.dtype(cfg.dtype), sharding)
+    return model
+
+
 # ----------------------------------------------------------------------------- timing
 def param_bytes(state) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(state, nnx.Param)) if hasattr(x, "dtype")))
+    leaves = jax.tree.leaves(nnx.state(state, nnx.Param))
+    return int(sum(x.size * x.dtype.itemsize for x in leaves if hasattr(x, "dtype")))
 
 
 class DecodeTimer:
@@ -209,11 +272,12 @@ class DecodeTimer:
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoLE vs dense vs MoE decode latency / memory")
     p.add_argument("--quick", action="store_true",
-                   help="small model, 32 new tokens, fewer b>1 variants, ≤ 20 reps within --time-budget (< 3 min on CPU)")
+                   help="small model, 32 new tokens, fewer b>1 variants, ≤ 20 reps within --time-budget "
+                        "(< 3 min on CPU)")
     p.add_argument("--size", default=None, choices=sorted(SIZES))
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--skip", default="", help="comma-separated systems to leave out (e.g. mole_device at large sizes, "
-                                              "whose whole-LUT device copy costs memory); the headline ones are required")
+    p.add_argument("--skip", default="", help="comma-separated systems to leave out (e.g. mole_device at large "
+                   "sizes, whose whole-LUT device copy costs memory); the headline ones are required")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
@@ -282,21 +346,24 @@ def main(argv=None):
             systems[name] = (lm, reset_store, "lut")
         if mole_hostmem is not None:
             systems["mole_host"] = (mole_hostmem, None, "lut_hostmem")
+            systems["moe_offload_host"] = (offload_moe_host_memory(init_model(moe_cfg, seed=0),
+                                                                   MD.host_memory_sharding()), None, "offload_hostmem")
         if mole_dev is not None:
             systems["mole_device"] = (mole_dev, None, "lut_device")
         systems = {k: v for k, v in systems.items() if k not in skip}
         if a.quick and B > 1:  # fewer compiles: the batch-1 JSON keys need every system, b > 1 the MoLE/dense pair
             systems = {k: v for k, v in systems.items()
-                       if k in ("dense", "moe_offload", "mole_host", "mole_host_cb", "mole_device")}
+                       if k in ("dense", "moe_offload", "moe_offload_host", "mole_host", "mole_host_cb",
+                                "mole_device")}
         for name, (model, reset, kind) in systems.items():
             t0 = time.time()
             try:
                 timers[(B, name)] = (DecodeTimer(model, prompts, n_new, reset), model, kind)
-            except Exception as e:  # noqa: BLE001 — only the host-memory path may be unsupported
-                if name != "mole_host":
+            except Exception as e:  # noqa: BLE001 — only the host-memory paths may be unsupported
+                if name not in ("mole_host", "moe_offload_host"):
                     raise
-                results["mole_host_error"] = f"{type(e).__name__}: {e}"[:500]
-                print(f"# mole_host failed to compile at b={B}: {results['mole_host_error']}", file=sys.stderr)
+                results[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"# {name} failed to compile at b={B}: {results[f'{name}_error']}", file=sys.stderr)
                 continue
             print(f"# compiled b={B} {name} in {time.time() - t0:.1f}s", file=sys.stderr)
         keep.append(systems)
@@ -323,6 +390,13 @@ def main(argv=None):
             r["h2d_bytes_per_token"] = cnt["buffer_bytes"] / (steps * B)
             r["needed_bytes_per_token"] = cnt["unique_bytes"] / (steps * B)
             r["unique_experts_per_layer_step"] = cnt["unique_experts"] / max(cnt["calls"], 1)
+        elif kind == "offload_hostmem":  # static U expert slots per layer cross every step
+            ffns = [blk.ffn for blk in model.layers]
+            U = min(ffns[0].num_experts, B * moe_config_of(model.cfg).top_k)
+            per_step = sum(f.expert_bytes for f in ffns) * U
+            r["device_param_bytes"] = dev_bytes + per_step  # the gathered experts are device buffers
+            r["h2d_bytes_per_token"] = per_step / B
+            r["host_memory_bytes"] = int(sum(a[...].nbytes for f in ffns for a in f.w))
         elif kind == "lut_device":
             r["device_param_bytes"] = dev_bytes + model.table[...].nbytes  # the whole LUT is resident
             r["h2d_bytes_per_token"] = 0.0
@@ -340,25 +414,39 @@ def main(argv=None):
         print(f"# b={B} {name}: {json.dumps(r)}", file=sys.stderr)
 
     # --- table
-    print(f"\n{'batch':>5} {'system':12s} {'ms/token':>9} {'x dense':>8} {'PCIe16 ms':>10} {'device MiB':>11} "
+    print(f"\n{'batch':>5} {'system':16s} {'ms/token':>9} {'x dense':>8} {'PCIe16 ms':>10} {'device MiB':>11} "
           f"{'H2D KiB/tok':>12}")
     for B, name, r in rows:
         base = results["systems"]["dense"][f"b{B}"]["latency_ms"]
-        print(f"{B:5d} {name:12s} {r['latency_ms']:9.3f} {r['latency_ms'] / base:8.2f} "
+        print(f"{B:5d} {name:16s} {r['latency_ms']:9.3f} {r['latency_ms'] / base:8.2f} "
               f"{r['latency_pcie16_modeled_ms']:10.3f} {r['device_param_bytes'] / 2**20:11.2f} "
               f"{r['h2d_bytes_per_token'] / 1024:12.2f}")
     S = results["systems"]
     b1 = lambda name, key="latency_ms": S[name]["b1"][key]  # noqa: E731
     head = "mole_host" if f"b{batches[0]}" in S.get("mole_host", {}) else "mole_host_cb"
-    results["mole_headline_system"] = head
+    # the MoE/MoLE headline compares systems that move bytes by the same mechanism, in fp16
+    moe_head = "moe_offload_host" if head == "mole_host" and "b1" in S.get("moe_offload_host", {}) else "moe_offload"
+    if head == "mole_host" and moe_head != "moe_offload_host":
+        head = "mole_host_cb"  # no host-memory MoE: pair the callback systems instead
+    results["mole_headline_system"], results["moe_offload_headline_system"] = head, moe_head
+    how = ("host memory space, in-graph gather (no callback)" if head == "mole_host" else
+           "host callback (the backend's host memory space was not usable: see *_error in the JSON)")
+    print(f"# headline MoE-offload vs MoLE pair: {moe_head} vs {head} — both fp16, {how}")
     if 1 in batches:
         results["mole_vs_dense_latency"] = b1(head) / b1("dense")
-        results["moe_offload_vs_mole_latency"] = b1("moe_offload") / b1(head)
+        results["moe_offload_vs_mole_latency"] = b1(moe_head) / b1(head)
         results["moe_offload_vs_mole_latency_pcie16_modeled"] = (
-            b1("moe_offload", "latency_pcie16_modeled_ms") / b1(head, "latency_pcie16_modeled_ms"))
+            b1(moe_head, "latency_pcie16_modeled_ms") / b1(head, "latency_pcie16_modeled_ms"))
+        if "b1" in S.get("mole_host_cb", {}):  # the callback pair, always reported
+            results["moe_offload_cb_vs_mole_cb_latency"] = b1("moe_offload") / b1("mole_host_cb")
+        if "b1" in S.get("moe_offload_host", {}) and "b1" in S.get("mole_host", {}):
+            results["moe_offload_host_vs_mole_host_latency"] = (b1("moe_offload_host")
+                                                                 / b1("mole_host"))
         results["mole_device_bytes_vs_dense"] = b1(head, "device_param_bytes") / b1("dense", "device_param_bytes")
-        for key, name in (("mole_callback_vs_dense_latency", "mole_host_cb"), ("mole_disk_vs_dense_latency", "mole_disk"),
-                          ("mole_device_lut_vs_dense_latency", "mole_device"), ("moe_resident_vs_dense_latency", "moe")):
+        for key, name in (("mole_callback_vs_dense_latency", "mole_host_cb"),
+                          ("mole_disk_vs_dense_latency", "mole_disk"),
+                          ("mole_device_lut_vs_dense_latency", "mole_device"),
+                          ("moe_resident_vs_dense_latency", "moe")):
             if "b1" in S.get(name, {}):  # absent when --skip'ped
                 results[key] = b1(name) / b1("dense")
         if "b1" in S.get("moe", {}):
@@ -369,10 +457,11 @@ def main(argv=None):
                 ratios = [r[(B, name)] / r[(B, "dense")] for r in per_rep]
                 results[f"{name}_vs_dense_b{B}_per_rep"] = [round(x, 3) for x in ratios]
                 results[f"{name}_vs_dense_b{B}_median"] = float(np.median(ratios))
-                results[f"{name}_vs_dense_b{B}_best"] = S[name][f"b{B}"]["latency_ms"] / S["dense"][f"b{B}"]["latency_ms"]
+                results[f"{name}_vs_dense_b{B}_best"] = (S[name][f"b{B}"]["latency_ms"]
+                                                         / S["dense"][f"b{B}"]["latency_ms"])
     B0 = f"b{batches[0]}"  # bytes per token do not depend on the batch's timing: report the first batch's
     results["mole_h2d_bytes_per_token"] = S[head][B0]["h2d_bytes_per_token"]
-    results["moe_offload_h2d_bytes_per_token"] = S["moe_offload"][B0]["h2d_bytes_per_token"]
+    results["moe_offload_h2d_bytes_per_token"] = S[moe_head][B0]["h2d_bytes_per_token"]
     results["lut_bytes"] = host_lut.nbytes
     results["wall_s"] = time.time() - t_start
     print(json.dumps(results))

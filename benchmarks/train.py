@@ -1,16 +1,22 @@
 """Train-step throughput: pallasite (jitted step, donated state, chunked fused loss) vs a plain
-PyTorch training loop of the same Llama architecture, side by side in one process.
+PyTorch training loop of the same Llama architecture, eager and ``torch.compile``d, in one process.
 
     python -m pallasite.benchmarks.train            # ~20M params (configs.models.bench20m), B=8, T=256
     python -m pallasite.benchmarks.train --quick    # same model, B=4, T=128, fewer steps (< 3 min)
 
 Both systems train the same architecture (RMSNorm, RoPE, GQA, SwiGLU, untied head) with AdamW
 (same lr, betas, eps, weight decay), global-norm clipping 1.0, float32, on the same random token
-batches. PyTorch runs eagerly (the usual training loop: zero_grad, forward, cross_entropy,
-backward, clip, step) with ``scaled_dot_product_attention`` and the fused-for-each AdamW.
-Timing alternates rounds between the two systems (the machine is shared and noisy) and reports
-the median step time of each; compile / warm-up steps are excluded for both. Prints a table and
-ends with one JSON line whose ``speedup_vs_torch`` = pallasite tokens/s ÷ PyTorch tokens/s.
+batches. PyTorch runs the usual loop (zero_grad, forward, cross_entropy, backward, clip, step)
+with ``scaled_dot_product_attention`` and the fused-for-each AdamW, twice: eager, and with the
+model ``torch.compile``d (inductor; the optimizer step stays eager). ``--torch-compile off`` drops
+the compiled one (it is then absent from the table, named in its title). Matmul precision is the
+same on both sides (``--matmul-precision``): ``highest`` = full float32 (jax
+``default_matmul_precision="highest"``, torch ``set_float32_matmul_precision("highest")``, no
+TF32), ``tf32`` = TF32 on both (jax ``"tensorfloat32"``, torch ``"high"`` + cuDNN TF32); on a CPU
+both are float32 either way. Timing alternates rounds between the systems (the machine is shared
+and noisy) and reports the median step time of each; compile / warm-up steps are excluded for all.
+Prints a table and ends with one JSON line whose ``speedup_vs_torch`` = pallasite tokens/s ÷ the
+best PyTorch tokens/s (eager or compiled; ``torch_best`` names it).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 
@@ -31,8 +36,8 @@ def pallasite_runner(model_dict: dict, B: int, T: int, loss_chunk: int, seed: in
 
     from pallasite import sharding as shd
     from pallasite.models.config import model_config_from
-    from pallasite.training.config import train_defaults
     from pallasite.training import step as st
+    from pallasite.training.config import train_defaults
     from pallasite.training.optim import make_optimizer
 
     cfg = model_config_from(model_dict)
@@ -62,7 +67,7 @@ def pallasite_runner(model_dict: dict, B: int, T: int, loss_chunk: int, seed: in
 
 
 # ----------------------------------------------------------------------------- torch
-def torch_runner(model_dict: dict, B: int, T: int, seed: int = 0):
+def torch_runner(model_dict: dict, B: int, T: int, seed: int = 0, compile_model: bool = False):
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -133,6 +138,7 @@ def torch_runner(model_dict: dict, B: int, T: int, seed: int = 0):
             if prm.ndim == 2:
                 prm.normal_(0.0, 0.02)
     model = model.to(device)
+    fwd = torch.compile(model) if compile_model else model  # same parameters; the optimizer sees them
     decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -148,7 +154,7 @@ def torch_runner(model_dict: dict, B: int, T: int, seed: int = 0):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            logits = model(tok)
+            logits = fwd(tok)
             loss = F.cross_entropy(logits.view(-1, V), tgt.view(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -162,6 +168,16 @@ def torch_runner(model_dict: dict, B: int, T: int, seed: int = 0):
 
 
 # ----------------------------------------------------------------------------- main
+def set_matmul_precision(name: str) -> None:
+    """The same float32 matmul precision for jax and torch (see the module doc)."""
+    import jax
+    import torch
+
+    jax.config.update("jax_default_matmul_precision", {"highest": "highest", "tf32": "tensorfloat32"}[name])
+    torch.set_float32_matmul_precision({"highest": "highest", "tf32": "high"}[name])
+    torch.backends.cudnn.allow_tf32 = name == "tf32"
+
+
 def _batches(n, B, T, V, seed):
     rng = np.random.default_rng(seed)
     out = []
@@ -181,7 +197,12 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps-per-round", type=int, default=None)
     p.add_argument("--loss-chunk", type=int, default=0, help="tokens per fused cross-entropy chunk (0 = one)")
+    p.add_argument("--matmul-precision", choices=("highest", "tf32"), default="highest",
+                   help="float32 matmul precision, the same for jax and torch (default: highest, no TF32)")
+    p.add_argument("--torch-compile", choices=("on", "off"), default="on",
+                   help="also time the torch.compile'd model (default on)")
     args = p.parse_args(argv)
+    set_matmul_precision(args.matmul_precision)
     from pallasite.configs.models import bench20m
 
     B = args.batch or (4 if args.quick else 8)
@@ -196,39 +217,54 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     px_run, px_params = pallasite_runner(model_dict, B, T, args.loss_chunk)
     px_run(warm)  # compile + first steps
-    px_setup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    th_run, th_params, th_device = torch_runner(model_dict, B, T)
-    th_run(warm)
-    th_setup = time.perf_counter() - t0
+    systems = {"pallasite": px_run}
+    setup = {"pallasite": time.perf_counter() - t0}
+    variants = [("torch_eager", False)] + ([("torch_compile", True)] if args.torch_compile == "on" else [])
+    for name, comp in variants:
+        t0 = time.perf_counter()
+        run, th_params, th_device = torch_runner(model_dict, B, T, compile_model=comp)
+        run(warm)  # torch.compile traces and compiles here
+        if comp:
+            run(warm)  # a second warm-up step: the first backward may still recompile
+        systems[name], setup[name] = run, time.perf_counter() - t0
 
-    px_times, th_times = [], []
-    px_loss = th_loss = float("nan")
-    for _ in range(rounds):  # alternate so both see the same machine load
-        t, px_loss = px_run(timed)
-        px_times += t
-        t, th_loss = th_run(timed)
-        th_times += t
-    px_step, th_step = statistics.median(px_times), statistics.median(th_times)
+    times = {k: [] for k in systems}
+    loss = {k: float("nan") for k in systems}
+    for _ in range(rounds):  # alternate so every system sees the same machine load
+        for k, run in systems.items():
+            t, loss[k] = run(timed)
+            times[k] += t
+    step = {k: statistics.median(v) for k, v in times.items()}
     tokens = B * T
-    px_tok_s, th_tok_s = tokens / px_step, tokens / th_step
+    tok_s = {k: tokens / v for k, v in step.items()}
+    torch_best = max((k for k in systems if k != "pallasite"), key=lambda k: tok_s[k])
     import jax
 
     result = {
-        "benchmark": "train_step", "device": jax.devices()[0].platform, "torch_device": th_device, "params_pallasite": px_params,
-        "params_torch": th_params, "batch": B, "seq_len": T, "tokens_per_step": tokens,
-        "loss_chunk": args.loss_chunk, "pallasite_step_s": px_step, "torch_step_s": th_step,
-        "pallasite_tokens_per_s": px_tok_s, "torch_tokens_per_s": th_tok_s,
-        "speedup_vs_torch": px_tok_s / th_tok_s, "pallasite_setup_s": px_setup, "torch_setup_s": th_setup,
-        "final_loss_pallasite": px_loss, "final_loss_torch": th_loss, "ln_vocab": math.log(V),
-        "steps_timed_each": len(px_times),
+        "benchmark": "train_step", "device": jax.devices()[0].platform, "torch_device": th_device,
+        "params_pallasite": px_params, "params_torch": th_params, "batch": B, "seq_len": T,
+        "tokens_per_step": tokens, "loss_chunk": args.loss_chunk, "matmul_precision": args.matmul_precision,
+        "torch_compile": args.torch_compile, "torch_best": torch_best,
+        "pallasite_step_s": step["pallasite"], "torch_step_s": step[torch_best],
+        "pallasite_tokens_per_s": tok_s["pallasite"], "torch_tokens_per_s": tok_s[torch_best],
+        "speedup_vs_torch": tok_s["pallasite"] / tok_s[torch_best],
+        "final_loss_pallasite": loss["pallasite"], "final_loss_torch": loss[torch_best], "ln_vocab": math.log(V),
+        "steps_timed_each": len(times["pallasite"]),
     }
+    for k in systems:
+        result[f"{k}_tokens_per_s"] = tok_s[k]
+        result[f"{k}_setup_s"] = setup[k]
+        if k != "pallasite":
+            result[f"speedup_vs_{k}"] = tok_s["pallasite"] / tok_s[k]
+    title = "" if args.torch_compile == "on" else " (torch.compile NOT timed: --torch-compile off)"
     print(f"\ntrain step, {px_params / 1e6:.1f}M params (torch {th_params / 1e6:.1f}M), batch {B} x {T} tokens, "
-          f"median of {len(px_times)} steps each (alternating rounds)")
-    print(f"{'system':<12}{'step ms':>10}{'tokens/s':>12}{'setup s':>10}")
-    print(f"{'pallasite':<12}{px_step * 1e3:>10.1f}{px_tok_s:>12,.0f}{px_setup:>10.1f}")
-    print(f"{'pytorch':<12}{th_step * 1e3:>10.1f}{th_tok_s:>12,.0f}{th_setup:>10.1f}")
-    print(f"speedup (pallasite / pytorch tokens/s): {px_tok_s / th_tok_s:.2f}x")
+          f"matmul precision {args.matmul_precision} on both, median of {len(times['pallasite'])} steps each "
+          f"(alternating rounds){title}")
+    print(f"{'system':<15}{'step ms':>10}{'tokens/s':>12}{'setup s':>10}{'final loss':>12}")
+    for k in systems:
+        print(f"{k:<15}{step[k] * 1e3:>10.1f}{tok_s[k]:>12,.0f}{setup[k]:>10.1f}{loss[k]:>12.3f}")
+    print(f"speedup (pallasite / best pytorch = {torch_best}, tokens/s): "
+          f"{tok_s['pallasite'] / tok_s[torch_best]:.2f}x")
     print(json.dumps(result))
     return result
 
