@@ -202,10 +202,14 @@ def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str
 
     Options are a ``GenerationConfig`` and/or its fields as keywords (``max_new_tokens``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``kv_cache``,
-    ``kv_cache_config``, ``strategy``, ...). Returns completions as strings when the model has a
+    ``kv_cache_config``, ``strategy``, ``drafter``, ``method``, ...). Returns completions as strings when the model has a
     tokenizer, else lists of token ids. Generation stops at ``stop_tokens`` (default: the model's
     eos ids) or ``max_new_tokens``; ``stream`` is called once per step with each row's new tokens."""
     gen = GenerationConfig.make(config, **options)
+    if gen.drafter is not None:  # speculative decoding: the drafter follows this model's text
+        from pallasite.inference.speculative import bind_target
+
+        gen = bind_target(gen, model)
     if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]
     prompt_ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]

@@ -8,7 +8,8 @@ Sampling values may be scalars or one value per prompt. ``stop_tokens=None`` mea
 ids. ``kv_cache=None`` means the model's default cache (``ModelConfig.kv_cache``); a kind's options
 go in ``kv_cache_config`` (validated against the kind's registered sub-config). ``strategy`` names a
 registered decode strategy (``pallasite.registry.DECODE_STRATEGY``; ``"sample"``: greedy /
-temperature / top-k / top-p) with its options in ``strategy_config``.
+temperature / top-k / top-p) with its options in ``strategy_config``. ``drafter`` (a second model)
+selects ``"speculative"`` decoding with ``method`` (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -38,10 +39,20 @@ class GenerationConfig:
     strategy_config: Any = None
     logits_processors: tuple = ()  # proc(logits_BV, state) -> logits_BV, before the sampling filters
     pad_id: Optional[int] = None
+    drafter: Any = None  # speculative decoding: a pallasite.Model (or speculative.Drafter) that drafts
+    method: Optional[str] = None  # with a drafter: auto | sd | slem | tli | slrs (None: auto)
 
     def __post_init__(self):
         for name in ("temperature", "top_k", "top_p", "stop_tokens", "logits_processors"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
+        if self.drafter is not None or self.method is not None:
+            from pallasite.inference.speculative.options import check_method
+
+            if self.drafter is None:
+                raise ValueError(f"GenerationConfig.method={self.method!r} needs a drafter (drafter=<a model>)")
+            check_method(self.method or "auto")
+            if self.strategy == "sample":  # a drafter selects the speculative strategy
+                object.__setattr__(self, "strategy", "speculative")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         if self.cache_len is not None and int(self.cache_len) < 1:
