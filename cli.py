@@ -3,6 +3,7 @@
     pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.train.steps=200 ...]
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
                        [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
+                       [--drafter PATH --method auto|sd|slem|tli --num-draft-tokens 5]  (speculative)
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
@@ -128,6 +129,9 @@ def _cmd_generate(args, overrides):
         raise SystemExit(f"pallasite generate: options for kv cache kind(s) {unused} given, but --kv-cache is "
                          f"{args.kv_cache!r}")
     cache = {} if args.kv_cache is None else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
+    if args.drafter:  # speculative decoding (docs/speculative.md)
+        cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
+                     strategy_config={"num_draft_tokens": args.num_draft_tokens})
     pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream, **cache)
     print()
@@ -231,6 +235,9 @@ def main(argv=None):
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--kv-cache", default=None, metavar="|".join(KV_CACHE.names()),
                            help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE")
+            p.add_argument("--drafter", default=None, help="speculative decoding: the drafter model (any tokenizer)")
+            p.add_argument("--method", default="auto", choices=("auto", "sd", "slem", "tli", "slrs"))
+            p.add_argument("--num-draft-tokens", type=int, default=5, help="speculative: draft tokens per round")
         if name == "eval":
             p.add_argument("--data", default="stdlib", help="stdlib | FILE.txt | FILE.jsonl")
             p.add_argument("--field", default="text", help="jsonl field holding the text")

@@ -33,8 +33,6 @@ class SpeculativeConfig:
     max_catch_up       SLEM: most drafter tokens fed in one catch-up call (the rest next round)
     drafter_len_ratio  drafter tokens per target token the drafter's buffers are sized for
                        (prompt buffer and cache; a row that would overflow stops drafting)
-    slrs_window        SLRS: drafter characters enumerated per round (psi by enumeration)
-    slrs_max_branches  SLRS: refuse when |alphabet|**(slrs_window - 1) exceeds this
     drafter_kv_cache   the drafter's cache kind (None: the drafter model's default) + its options
     """
 
@@ -46,8 +44,6 @@ class SpeculativeConfig:
     max_target_draft: Optional[int] = None
     max_catch_up: int = 24
     drafter_len_ratio: float = 2.0
-    slrs_window: int = 4
-    slrs_max_branches: int = 4096
     drafter_kv_cache: Optional[str] = None
     drafter_kv_cache_config: Any = None
 
@@ -66,7 +62,7 @@ class SpeculativeConfig:
                  f"max_draft_tokens must be an integer >= num_draft_tokens ({self.num_draft_tokens}); "
                  f"got {self.max_draft_tokens!r}")
         need(self.schedule in SCHEDULES, f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
-        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up", "slrs_window", "slrs_max_branches"):
+        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up"):
             v = getattr(self, name)
             need(is_int(v) and v >= 1, f"{name} must be an integer >= 1; got {v!r}")
         if self.max_target_draft is not None:

@@ -9,7 +9,7 @@ prefix plus one target token, roll both caches back per row (length reset). Meth
 from q' = q renormalised on V_T ∩ V_D (its logits masked to the intersection, as transformers'
 pruned LM head), verified like sd with the residual over all of V_T; ``slem`` (Alg. 2) the draft's
 text is re-tokenised for the target on the host (``host.py``) and the target's own draws are matched
-exactly (greedy and sampling); ``slrs`` (Alg. 3, ``slrs.py``) character drafters only. ``auto`` =
+exactly (greedy and sampling); ``slrs`` (Alg. 3) is refused (not built, see docs). ``auto`` =
 sd for a shared vocabulary, else slem when greedy and tli when sampling (transformers' routing).
 Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap.
 Deviations: K defaults to 5 (transformers: 20, schedule constant); a row whose drafter buffers
@@ -73,12 +73,11 @@ class SpecArgs:
     t2d: jax.Array  # [V_T, L] int32 drafter tokens of each target token
     t2d_len: jax.Array  # [V_T] int32
     session: jax.Array  # int32 scalar, the SLEM host session (0: none)
-    slrs: Any = None  # SLRS enumeration tables (slrs.SlrsTables)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeStrategy:
-    method: str  # sd | tli | slem | slrs (resolved)
+    method: str  # sd | tli | slem (resolved)
     drafter_graphdef: Any
     drafter_config: Any
     drafter_cache_kind: str
@@ -94,7 +93,6 @@ class SpeculativeStrategy:
     drafter_path: Optional[str] = None
     target_mask: Any = None  # hook: (ctx, s, tokens_BK) -> allowed [B, K+1, V] after each prefix
     fault: str = ""
-    slrs: Any = None  # static SLRS description (slrs.SlrsSpec)
 
     # ------------------------------------------------------------------ shapes
     def _pend_width(self, args) -> int:
@@ -269,10 +267,6 @@ class SpeculativeStrategy:
     def step(self, ctx, s):
         if self.method == "slem":
             return self._step_slem(ctx, s)
-        if self.method == "slrs":
-            from pallasite.inference.speculative.slrs import slrs_step
-
-            return slrs_step(self, ctx, s)
         return self._step_token(ctx, s)
 
     def _verify_logits(self, ctx, s, cand_BK):
@@ -443,24 +437,25 @@ def build_speculative(gen, n_prompts: int):
         d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
         if method == "tli" and pair.intersection == 0:
             raise ValueError("method='tli': the two vocabularies share no token string; use method='slem'")
-    slrs_static, slrs_args = None, None
+    if method == "slrs":
+        raise ValueError(
+            "method='slrs' (string-level rejection sampling, Timor et al. Alg. 3) is not implemented: psi needs "
+            "an enumeration of drafter strings that is practical only for byte/char drafters and is not built "
+            "yet; use method='slem' (greedy or sampling, lossless for any pair) or 'tli' (sampling)")
     if method == "slem":
         stops = gen.stop_tokens if gen.stop_tokens else pair.target.eos_ids
         sess = SlemSession(pair, target_lookbehind=cfg.target_lookbehind, drafter_lookbehind=cfg.drafter_lookbehind,
                            max_feed=cfg.max_catch_up, width=cfg.target_width, stops=tuple(stops or ()))
         session = sess.id
-    if method == "slrs":
-        from pallasite.inference.speculative.slrs import build_slrs
-
-        slrs_static, slrs_args = build_slrs(pair, cfg, kind)
     strategy = SpeculativeStrategy(
         method=method, drafter_graphdef=drafter.graphdef, drafter_config=drafter.config,
         drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
-        schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up, len_ratio=float(cfg.drafter_len_ratio),
-        pair=pair, drafter_path=drafter.path, slrs=slrs_static)
+        schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
+        len_ratio=float(cfg.drafter_len_ratio),
+        pair=pair, drafter_path=drafter.path)
     args = SpecArgs(sampling=sampling, drafter_state=drafter.state, d2t=jnp.asarray(d2t, jnp.int32),
                     t2d=jnp.asarray(t2d, jnp.int32), t2d_len=jnp.asarray(t2d_len, jnp.int32),
-                    session=jnp.int32(session), slrs=slrs_args)
+                    session=jnp.int32(session))
     return strategy, args
 
 

@@ -71,7 +71,8 @@ class TokenText:
 
     def __init__(self, tok):
         if not hasattr(tok, "backend_tokenizer"):
-            raise TypeError(f"speculative decoding needs a fast (tokenizers-backed) tokenizer; got {type(tok).__name__}")
+            raise TypeError("speculative decoding needs a fast (tokenizers-backed) tokenizer; "
+                            f"got {type(tok).__name__}")
         self.tok = tok
         self.backend = tok.backend_tokenizer
         self.size = len(tok)
