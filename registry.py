@@ -10,8 +10,9 @@ One ``Registry`` per seam: ``FFN`` (``ModelConfig.ffn``), ``LINEAR`` (``.linear`
 an instance of it, and a mapping is validated into one (unknown fields are named).
 
 The built-in kinds are found lazily through ``BUILTIN_KINDS`` (kind -> the module that registers
-it, imported by name on first use): this module imports nothing from the package, so every other
-module may import it without a cycle, and the core modules never name a method.
+it, imported by name on first use): this module imports nothing from the package but
+``pallasite.errors`` (which imports nothing), so every other module may import it without a
+cycle, and the core modules never name a method.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from typing import Any, Mapping, Optional
+
+from pallasite.errors import ConfigError, UserError
 
 # seam -> kind -> module that registers it (imported on first lookup of that kind)
 BUILTIN_KINDS: dict[str, dict[str, str]] = {
@@ -36,7 +39,7 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
 }
 
 
-class UnknownKindError(ValueError):
+class UnknownKindError(UserError, ValueError):
     """A kind that no module registered (the message names the seam and the known kinds)."""
 
 
@@ -115,7 +118,7 @@ class Registry:
         if e.config is None:
             if value is None or (isinstance(value, Mapping) and not value):
                 return None
-            raise ValueError(f"{where}: {self.seam} kind {kind!r} takes no options; got {value!r}")
+            raise ConfigError(f"{where}: {self.seam} kind {kind!r} takes no options; got {value!r}")
         if value is None:
             return e.config()
         if isinstance(value, e.config):
@@ -149,9 +152,14 @@ def config_from_mapping(cls: type, value: Mapping, *, where: str, aliases: Optio
         name = aliases.get(key, key)
         if name not in fields:
             known = sorted(fields | set(aliases))
-            raise ValueError(f"{where}: unknown key {key!r}; known keys are {known}")
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys are {known}")
         kwargs[name] = tuple(v) if isinstance(v, list) else v
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # the sub-config's own validation of a user's values
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def config_to_dict(value: Any) -> Any:

@@ -37,7 +37,7 @@ def deployed_tiny_model_diffs():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 9)))
     out = {}
     for impl in ("ref", "pallas"):
-        cfg_i = qm.cfg.replace(quant=dataclasses.replace(qm.cfg.quant, impl=impl), attention_impl="ref")
+        cfg_i = qm.cfg.replace(linear_config=dataclasses.replace(qm.cfg.linear_config, impl=impl), attention_impl="ref")
         st = qm.state  # same parameters; the graphdef (which carries the config) is rebuilt per impl
         gd_i, abs_i = nnx.split(abstract_model(cfg_i))
         nnx.replace_by_pure_dict(abs_i, st.to_pure_dict())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from pallasite.errors import InputError
 from pallasite.registry import DECODE_STRATEGY, KV_CACHE
 
 
@@ -54,9 +55,9 @@ class GenerationConfig:
             if self.strategy == "sample":  # a drafter selects the speculative strategy
                 object.__setattr__(self, "strategy", "speculative")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
+            raise InputError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         if self.cache_len is not None and int(self.cache_len) < 1:
-            raise ValueError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
+            raise InputError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
         if self.kv_cache is not None:
             KV_CACHE.check(self.kv_cache, field="GenerationConfig.kv_cache")
         DECODE_STRATEGY.check(self.strategy, field="GenerationConfig.strategy")

@@ -24,6 +24,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The TPU compile matrix (marker ``tpu_compile``) needs libtpu (the ``tpu`` extra): deselected
+    unless the ``-m`` expression names it, whatever else ``-m`` selects (e.g. ``-m "not slow"``)."""
+    if "tpu_compile" in (config.option.markexpr or ""):
+        return
+    keep = [it for it in items if it.get_closest_marker("tpu_compile") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("tpu_compile")])
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def tmp_session_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("session")
