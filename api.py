@@ -237,7 +237,8 @@ def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str
     Options are a ``GenerationConfig`` and/or its fields as keywords (``max_new_tokens``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``kv_cache``,
     ``kv_cache_config``, ``strategy``, ``drafter``, ``method`` (speculative decoding,
-    docs/speculative.md), ...). Returns one completion per prompt: a string for a string prompt, a list of new token ids for a token-id prompt. A prompt longer than the model's
+    docs/speculative.md), ...). Returns one completion per prompt: a string for a string prompt,
+    a list of new token ids for a token-id prompt. A prompt longer than the model's
     context (``ModelConfig.max_seq_len``) or the KV cache fails naming both lengths. Generation
     stops at ``stop_tokens`` (default: the model's eos ids) or ``max_new_tokens``; ``stream`` is
     called once per step with each row's new tokens."""
