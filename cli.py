@@ -179,6 +179,9 @@ def _cmd_generate(args, overrides):
     if args.drafter:  # speculative decoding (docs/speculative.md)
         cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
                      strategy_config={"num_draft_tokens": args.num_draft_tokens})
+    from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
+
+    constraint = cli_options(args)
     t0 = time.perf_counter()
     pallasite.generate(
         model,
@@ -190,6 +193,7 @@ def _cmd_generate(args, overrides):
         seed=args.seed,
         stream=stream,
         **cache,
+        **constraint,
     )
     t_end = time.perf_counter()
     print()
@@ -436,6 +440,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
             p.add_argument("--method", default="auto", choices=("auto", "sd", "slem", "tli", "slrs"))
             p.add_argument("--num-draft-tokens", type=int, default=5,
                            help="speculative: draft tokens per round")
+            from pallasite.inference.constrained.sugar import add_cli_arguments
+
+            add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN
         if name == "eval":
             p.add_argument(
                 "--data",

@@ -6,8 +6,10 @@
 
 One ``Registry`` per seam: ``FFN`` (``ModelConfig.ffn``), ``LINEAR`` (``.linear``), ``KV_CACHE``
 (``.kv_cache`` / generation), ``ATTENTION`` (``.attention_impl``), ``DECODE_STRATEGY``, ``LOSS``
-(``config.train.loss``), and the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``. A kind may carry a sub-config class: the seam's ``*_config`` field must be
-an instance of it, and a mapping is validated into one (unknown fields are named).
+(``config.train.loss``), the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``, and ``CONSTRAINT``
+(grammar kinds of ``GenerationConfig.constraint``). A kind may carry a sub-config class: the
+seam's ``*_config`` field must be an instance of it, and a mapping is validated into one (unknown
+fields are named).
 
 The built-in kinds are found lazily through ``BUILTIN_KINDS`` (kind -> the module that registers
 it, imported by name on first use): this module imports nothing from the package but
@@ -31,11 +33,13 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
                  "catekv": "pallasite.inference.cache.catekv"},
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
     "decode_strategy": {"sample": "pallasite.inference.engine",
-                        "speculative": "pallasite.inference.speculative.strategy"},
+                        "speculative": "pallasite.inference.speculative.strategy",
+                        "constrained": "pallasite.inference.constrained.strategy"},
     "loss": {"lm": "pallasite.training.losses.lm"},
     "hf_model_type": {**{t: "pallasite.models.hf_config" for t in ("llama", "mistral", "qwen2", "qwen3")},
                       **{t: "pallasite.models.hf_moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}},
     "hf_ffn": {"dense": "pallasite.models.hf", "moe": "pallasite.models.hf_moe"},
+    "constraint": {k: "pallasite.inference.constrained.grammars" for k in ("lark", "ebnf", "json_schema", "regex")},
 }
 
 
@@ -177,9 +181,10 @@ DECODE_STRATEGY = Registry("decode_strategy", BUILTIN_KINDS["decode_strategy"])
 LOSS = Registry("loss", BUILTIN_KINDS["loss"])
 HF_MODEL_TYPE = Registry("hf_model_type", BUILTIN_KINDS["hf_model_type"])  # config.json model_type -> ModelTypeSpec
 HF_FFN = Registry("hf_ffn", BUILTIN_KINDS["hf_ffn"])  # ffn kind -> (to_hf_fn, from_hf_fn) tensor mapping
+CONSTRAINT = Registry("constraint", BUILTIN_KINDS["constraint"])  # grammar kind -> source -> llguidance grammar
 
 REGISTRIES: dict[str, Registry] = {r.seam: r for r in (FFN, LINEAR, KV_CACHE, ATTENTION, DECODE_STRATEGY, LOSS,
-                                                        HF_MODEL_TYPE, HF_FFN)}
+                                                        HF_MODEL_TYPE, HF_FFN, CONSTRAINT)}
 
 
 def lookup(seam: str) -> Registry:
@@ -189,5 +194,6 @@ def lookup(seam: str) -> Registry:
 
 
 __all__ = ["Registry", "Entry", "UnknownKindError", "BUILTIN_KINDS", "FFN", "LINEAR", "KV_CACHE", "ATTENTION",
-           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "REGISTRIES", "lookup", "config_from_mapping", "config_to_dict"]
+           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "CONSTRAINT", "REGISTRIES", "lookup",
+           "config_from_mapping", "config_to_dict"]
 

@@ -8,8 +8,11 @@ Sampling values may be scalars or one value per prompt. ``stop_tokens=None`` mea
 ids. ``kv_cache=None`` means the model's default cache (``ModelConfig.kv_cache``); a kind's options
 go in ``kv_cache_config`` (validated against the kind's registered sub-config). ``strategy`` names a
 registered decode strategy (``pallasite.registry.DECODE_STRATEGY``; ``"sample"``: greedy /
-temperature / top-k / top-p) with its options in ``strategy_config``. ``drafter`` (a second model)
-selects ``"speculative"`` decoding with ``method`` (docs/speculative.md).
+temperature / top-k / top-p) with its options in ``strategy_config``. ``constraint`` is a
+``pallasite.inference.constrained.Constraint`` (a grammar, JSON schema or regex; CRANE spans), a
+mapping of its fields, or one per prompt (None = unconstrained row); with the default strategy it
+selects ``"constrained"`` (sampling under the grammar's masks, docs/constrained.md). ``drafter``
+(a second model) selects ``"speculative"`` decoding with ``method`` (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -42,16 +45,26 @@ class GenerationConfig:
     pad_id: Optional[int] = None
     drafter: Any = None  # speculative decoding: a pallasite.Model (or speculative.Drafter) that drafts
     method: Optional[str] = None  # with a drafter: auto | sd | slem | tli | slrs (None: auto)
+    constraint: Any = None  # Constraint | mapping of its fields | one per prompt | None
 
     def __post_init__(self):
         for name in ("temperature", "top_k", "top_p", "stop_tokens", "logits_processors"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
+        if self.constraint is not None:
+            from pallasite.inference.constrained.constraint import normalize
+
+            object.__setattr__(self, "constraint", normalize(self.constraint))
+            if self.strategy == "sample":  # the default strategy ignores masks: use the one that applies them
+                object.__setattr__(self, "strategy", "constrained")
         if self.drafter is not None or self.method is not None:
             from pallasite.inference.speculative.options import check_method
 
             if self.drafter is None:
                 raise ValueError(f"GenerationConfig.method={self.method!r} needs a drafter (drafter=<a model>)")
             check_method(self.method or "auto")
+            if self.constraint is not None:
+                raise ValueError("GenerationConfig: a drafter (speculative decoding) together with a constraint is "
+                                 "not composed yet; drop one of them")
             if self.strategy == "sample":  # a drafter selects the speculative strategy
                 object.__setattr__(self, "strategy", "speculative")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
