@@ -44,6 +44,11 @@ class Model:
     path: Optional[str] = None
 
     def __post_init__(self):
+        if self.config.ffn == "moe" and getattr(self.config.ffn_config, "placement", None):  # Occult placement
+            from pallasite.models.occult import apply_config_placement
+
+            self.config, self.state = apply_config_placement(self.config, self.state, self.path)
+            self.graphdef = None
         if self.graphdef is None:
             self.graphdef = nnx.split(abstract_model(self.config))[0]
 
@@ -51,8 +56,17 @@ class Model:
     @functools.cached_property
     def _logits_fn(self):
         graphdef = self.graphdef
-        return jax.jit(lambda state, ids, positions, segments: forward(
-            graphdef, state, ids, positions, segment_ids_BT=segments)[0])
+        return jax.jit(lambda state, ids, positions, segments, cache: forward(
+            graphdef, state, ids, positions, segment_ids_BT=segments, cache=cache)[0])
+
+    def _scoring_cache(self, batch: int, length: int):
+        """The model's own KV cache kind for scoring when it is not the dense one (a 4-bit cache
+        changes the numbers: a W4A4KV4 model is scored with its KV quantization), else None."""
+        if self.config.kv_cache == "dense":
+            return None
+        from pallasite.inference.engine import make_cache_factory
+
+        return make_cache_factory(self.config, GenerationConfig(), self)(self.config, batch, length)
 
     def logits(self, ids, *, positions=None, segment_ids=None) -> jax.Array:
         """float32 logits [batch, seq, vocab] for token ids ([seq] or [batch, seq]; every row the
@@ -84,7 +98,8 @@ class Model:
                     raise InputError(f"Model.logits: {name} must have the shape of ids {ids.shape}")
                 value = jnp.asarray(value, jnp.int32)
             extra.append(value)
-        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), *extra)
+        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), *extra,
+                               self._scoring_cache(*ids.shape))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -10,6 +10,9 @@
     pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE)
+    pallasite quantize --model PATH --output DIR --method flatquant|hadamard|rtn|smoothquant  (W4A4KV4)
+    pallasite catekv-calibrate --model PATH [--r 0.4]   (CateKV head mask next to the model)
+    pallasite occult-place --model MOE --output DIR --devices 8   (Occult expert placement)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
@@ -469,6 +472,13 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
 
             facttest_cli.add_arguments(p)
         p.set_defaults(fn=fn)
+
+    from pallasite.inference.cache import catekv_calibrate
+    from pallasite.models import occult_place
+    from pallasite.training import quantize as quantize_cmd
+    quantize_cmd.add_parser(sub)
+    catekv_calibrate.add_parser(sub)
+    occult_place.add_parser(sub)
     return parser
 
 

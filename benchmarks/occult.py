@@ -2,7 +2,7 @@
 parallelism, Occult dispatch, Occult + collaboration-aware placement, and + collaboration
 pruning (N_d' = 2), on the routing of a *trained* MoE.
 
-    python -m pallasite.benchmarks.occult --quick
+    python -m pallasite.benchmarks.occult --quick [--seed 0] [--comm-only]
 
 Routing source: a small MoE (byte-level, d=64, 2 layers, 32 experts, top-4 — top-k ≥ 4 as
 the issue asks) trained by ``models/occult_finetune.train`` on the Python stdlib sources. It
@@ -53,16 +53,17 @@ def base_config() -> ModelConfig:
                        ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32))
 
 
-def _cache_path(steps: int) -> str:
+def _cache_path(steps: int, seed: int = 0) -> str:
     root = os.environ.get("PALLASITE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pallasite"))
     os.makedirs(root, exist_ok=True)
-    return os.path.join(root, f"occult_moe_e32k4_d64_s{steps}.npz")
+    return os.path.join(root, f"occult_moe_e32k4_d64_s{steps}" + (f"_seed{seed}" if seed else "") + ".npz")
 
 
-def trained_moe(steps: int, data, log=print):
-    """(graphdef, state, info) of the trained MoE; loads the cache when present."""
+def trained_moe(steps: int, data, log=print, seed: int = 0):
+    """(graphdef, state, info) of the trained MoE (init and data order from ``seed``); loads the
+    cache when present."""
     cfg = base_config()
-    path = _cache_path(steps)
+    path = _cache_path(steps, seed)
     abs_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abs_model)
     keys = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(abs_state)]
@@ -73,10 +74,11 @@ def trained_moe(steps: int, data, log=print):
         info["cached"] = True
         return graphdef, nnx.from_flat_state(flat), info
     t0 = time.time()
-    gd, params, rest, losses = ft.train(cfg, steps=steps, batch=16, seq_len=128, lr=3e-3, data=data,
+    gd, params, rest, losses = ft.train(cfg, steps=steps, batch=16, seq_len=128, lr=3e-3, data=data, seed=seed,
                                         log_every=max(1, steps // 4))
     state = nnx.state(nnx.merge(gd, params, rest))
-    info = {"train_steps": steps, "final_train_ce": float(np.mean(losses[-10:])), "train_s": round(time.time() - t0, 1)}
+    info = {"train_steps": steps, "seed": seed, "final_train_ce": float(np.mean(losses[-10:])),
+            "train_s": round(time.time() - t0, 1)}
     flat = dict(("/".join(map(str, p)), np.asarray(v[...])) for p, v in nnx.to_flat_state(state))
     assert set(flat) == set(keys)
     np.savez(path, __info__=json.dumps(info), **flat)
@@ -123,10 +125,40 @@ def _eval(graphdef, state, data, batches):
     return ft.eval_loss(gd, params, rest, data, batches=batches)
 
 
+def _comm_only_report(comm, bytes_std, m, cfg, eval_tokens, routing_source, quick, seed, t_start) -> dict:
+    """The CT / bytes rows of the full report (``--comm-only``)."""
+    ct = {name: comm[name]["ct"] for name in comm}
+    print(f"\n{'system':34s} {'CT':>6s} {'bytes/layer-step':>17s} {'vs standard':>12s}")
+    rows = [("standard EP (contiguous)", None, bytes_std),
+            ("Occult dispatch (contiguous)", ct["contiguous"], comm["contiguous"]["bytes_occult"]),
+            ("Occult + random placement", ct["random"], comm["random"]["bytes_occult"]),
+            ("Occult + greedy placement", ct["greedy"], comm["greedy"]["bytes_occult"])]
+    for name, c, b in rows:
+        print(f"{name:34s} {'k=4' if c is None else f'{c:.3f}':>6s} {b / cfg.n_layers:17.0f} {1 - b / bytes_std:11.1%}")
+    print(f"(held-out tokens {sum(t.size for t in eval_tokens)}; placement alone lowers CT by "
+          f"{1 - ct['greedy'] / ct['contiguous']:.1%} vs contiguous, {1 - ct['greedy'] / ct['random']:.1%} vs random)")
+    result = {
+        "bytes_reduction_occult": round(1 - comm["contiguous"]["bytes_occult"] / bytes_std, 4),
+        "bytes_reduction_occult_random": round(1 - comm["random"]["bytes_occult"] / bytes_std, 4),
+        "bytes_reduction_occult_placement": round(1 - comm["greedy"]["bytes_occult"] / bytes_std, 4),
+        "ct_standard": float(m.top_k), "ct_occult_contiguous": round(ct["contiguous"], 4),
+        "ct_occult_random": round(ct["random"], 4), "ct_occult_greedy": round(ct["greedy"], 4),
+        "ct_reduction_placement_vs_contiguous": round(1 - ct["greedy"] / ct["contiguous"], 4),
+        "routing_source": routing_source, "comm_only": True, "quick": quick, "seed": seed,
+        "wall_s": round(time.time() - t_start, 1),
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--train_steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the trained MoE (init, data order) and of the profiling / held-out windows")
+    ap.add_argument("--comm-only", action="store_true",
+                    help="stop after the CT / bytes table (no layer timing, no pruned fine-tuning): the seed spread")
     args = ap.parse_args(argv)
     quick = args.quick
     t_start = time.time()
@@ -141,7 +173,8 @@ def main(argv=None):
     train_data = ft.stdlib_bytes("train", 3_000_000)
     eval_data = ft.stdlib_bytes("eval", 400_000)
 
-    graphdef, state, info = trained_moe(steps, train_data)
+    seed = args.seed
+    graphdef, state, info = trained_moe(steps, train_data, seed=seed)
     base_eval = _eval(graphdef, state, eval_data, 4 if quick else 16)
     routing_source = (f"pallasite MoE (byte-level, d=64, 2 layers, {m.num_experts} experts, top-{m.top_k}) trained "
                       f"{info['train_steps']} steps on Python stdlib sources by models/occult_finetune.train "
@@ -149,7 +182,7 @@ def main(argv=None):
     print(f"routing source: {routing_source}  [cached={info['cached']}]")
 
     # ---- profiling (train windows) → co-activation → placements
-    it = ft.byte_batches(train_data, 16, 128, seed=7)
+    it = ft.byte_batches(train_data, 16, 128, seed=7 + 100 * seed)
     prof = occult.profile_routing(graphdef, state, [next(it)[:, :-1] for _ in range(prof_batches)])
     coact = np.stack([occult.coactivation(e, m.num_experts) for e in prof["experts"]])
     placements = {
@@ -161,15 +194,16 @@ def main(argv=None):
                      zip(occult.layer_expert_weights(state), prof["inputs"])])
 
     # ---- held-out routing: CT and bytes per placement (bytes per layer, summed over layers)
-    it_eval = ft.byte_batches(eval_data, 16, 128, seed=11)
+    it_eval = ft.byte_batches(eval_data, 16, 128, seed=11 + 100 * seed)
     eval_tokens = [next(it_eval)[:, :-1] for _ in range(2 if quick else 8)]
     held = occult.profile_routing(graphdef, state, eval_tokens)
     comm = {}
     for name, pl in placements.items():
         slot_of = np.argsort(pl.array(), axis=1)  # original expert → slot
         tot = {"bytes_standard": 0, "bytes_occult": 0, "ct": []}
-        for l, e in enumerate(held["experts"]):
-            s = communication_stats(slot_of[l][e], num_experts=m.num_experts, num_devices=N_DEV, d_model=cfg.d_model)
+        for layer, e in enumerate(held["experts"]):
+            s = communication_stats(slot_of[layer][e], num_experts=m.num_experts, num_devices=N_DEV,
+                                    d_model=cfg.d_model)
             check_ct_bounds(s["ct"], m.top_k, m.num_experts, N_DEV)
             tot["bytes_standard"] += s["bytes_standard"]
             tot["bytes_occult"] += s["bytes_occult"]
@@ -178,6 +212,8 @@ def main(argv=None):
         comm[name] = tot
     bytes_std = comm["contiguous"]["bytes_standard"]  # standard EP's bytes do not depend on placement much
     # standard EP with the *same* placement as its baseline: contiguous (the default layout)
+    if args.comm_only:
+        return _comm_only_report(comm, bytes_std, m, cfg, eval_tokens, routing_source, quick, seed, t_start)
 
     # ---- pruning: fine-tune MoE blocks with pruned routing (non-MoE frozen); unpruned FT baseline
     placed_state = occult.apply_placement(state, placements["greedy"], num_devices=N_DEV)
@@ -212,7 +248,8 @@ def main(argv=None):
     timing, max_abs_diff, pruned_bytes = {}, 0.0, None
     cfg_p2, st_p2 = pruned_states[(2, "similarity")]
     variants = {
-        "standard_ep": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")), state),
+        "standard_ep": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="standard")),
+                        state),
         "occult": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")), state),
         "occult_placement": (cfg.replace(ffn_config=MoEConfig(num_experts=32, top_k=4, d_expert=32, dispatch="occult")),
                              placed_state),
@@ -295,6 +332,7 @@ def main(argv=None):
         "base_eval_ce": round(base_eval, 4),
         "finetune_steps": ft_steps,
         "quick": quick,
+        "seed": seed,
         "wall_s": round(time.time() - t_start, 1),
     }
     print(json.dumps(result))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -131,6 +130,7 @@ def main(argv=None):
         return perplexity(logits_fn, eval_stream, eval_len, max_windows=eval_n, batch_size=4, progress=False)
 
     from flax import nnx
+
     from pallasite.models.transformer import abstract_model
 
     results, timings, histories = {}, {}, {}
@@ -156,7 +156,8 @@ def main(argv=None):
         timings[method] = dict(quantize_s=round(t1 - t0, 1), eval_s=round(time.time() - t1, 1))
         if qm.history:
             histories[method] = [[round(h[0], 6), round(h[-1], 6)] for h in qm.history]
-        print(f"{method}{suffix}: ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)", flush=True)
+        print(f"{method}{suffix}: ppl {r['ppl']:.3f}  (quantize {t1 - t0:.0f}s, eval {time.time() - t1:.0f}s)",
+              flush=True)
     fp = results.get("ppl_fp", float("nan"))
     print("\n| method | W4A4KV4 ppl | Δ vs FP32 |\n|---|---|---|")
     print(f"| FP32 | {fp:.3f} | — |")
@@ -170,7 +171,8 @@ def main(argv=None):
         results["flatquant_delta_over_hadamard_delta"] = d["flatquant"] / d["hadamard"]
         results["flatquant_delta_over_rtn_delta"] = d["flatquant"] / d["rtn"]
     setting.update(weight_quantizer=args.weight_quantizer, fp_dtypes=fp_dtypes)
-    results.update(setting=setting, eval_tokens=int(min(len(eval_stream) // eval_len, eval_n or 10**9) * (eval_len - 1)),
+    n_windows = min(len(eval_stream) // eval_len, eval_n or 10**9)
+    results.update(setting=setting, eval_tokens=int(n_windows * (eval_len - 1)),
                    timings=timings, flatquant_layer_mse_first_last=histories.get("flatquant"),
                    total_s=round(time.time() - t_start, 1), backend=jax.default_backend())
     print(json.dumps(results))

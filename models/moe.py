@@ -59,6 +59,9 @@ class MoEConfig:
     occult_devices: Optional[int] = None
     occult_max_devices: Optional[int] = None
     prune: str = "score"  # score | similarity
+    # Occult placement file (occult.Placement JSON; relative: the model's folder), applied to the
+    # expert weights and router columns when the model is loaded (pallasite.load)
+    placement: Optional[str] = None
 
     def __post_init__(self):
         def need(cond, msg):

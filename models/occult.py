@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Iterable, Optional, Sequence
+import os
+from typing import Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +63,10 @@ class Placement:
     @classmethod
     def from_array(cls, perm_LE, num_devices: int) -> "Placement":
         perm_LE = np.asarray(perm_LE)
-        for l, p in enumerate(perm_LE):
+        for layer, p in enumerate(perm_LE):
             if sorted(p.tolist()) != list(range(perm_LE.shape[1])):
-                raise ValueError(f"placement layer {l} is not a permutation of 0..{perm_LE.shape[1] - 1}: {p.tolist()}")
+                raise ValueError(f"placement layer {layer} is not a permutation of "
+                                 f"0..{perm_LE.shape[1] - 1}: {p.tolist()}")
         if perm_LE.shape[1] % num_devices:
             raise ValueError(f"placement: {num_devices} devices do not divide {perm_LE.shape[1]} experts")
         return cls(tuple(tuple(int(i) for i in p) for p in perm_LE), int(num_devices))
@@ -75,7 +77,8 @@ class Placement:
         if self.num_experts != num_experts:
             raise ValueError(f"placement was computed for {self.num_experts} experts, the model has {num_experts}")
         if num_devices is not None and self.num_devices != num_devices:
-            raise ValueError(f"placement was computed for {self.num_devices} devices, the expert axis has {num_devices}")
+            raise ValueError(f"placement was computed for {self.num_devices} devices, "
+                             f"the expert axis has {num_devices}")
 
 
 def contiguous_placement(num_layers: int, num_experts: int, num_devices: int) -> Placement:
@@ -118,12 +121,48 @@ def greedy_placement(coact_LEE, num_devices: int) -> Placement:
     return Placement.from_array(np.stack([greedy_placement_layer(c, num_devices) for c in coact_LEE]), num_devices)
 
 
+PLACEMENT_FILE = "occult_placement.json"
+
+
+def save_placement(path: str, placement: Placement) -> str:
+    with open(path, "w") as f:
+        f.write(placement.to_json())
+    return path
+
+
+def load_placement(path: str) -> Placement:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Occult placement file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:
+        return Placement.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not an Occult placement (JSON with 'perm' [layers][experts] and "
+                         f"'num_devices'): {e}") from None
+
+
+def apply_config_placement(cfg, state, folder: Optional[str] = None):
+    """(cfg, state) with ``cfg.ffn_config.placement`` applied: experts and router columns permuted
+    once, and the config's ``placement`` cleared (the weights are now in placed order, so saving
+    the model keeps them placed and a reload does not permute twice). Unchanged without one."""
+    mcfg = getattr(cfg, "ffn_config", None)
+    if cfg.ffn != "moe" or getattr(mcfg, "placement", None) is None:
+        return cfg, state
+    path = mcfg.placement
+    if not os.path.isabs(path) and folder:
+        path = os.path.join(folder, path)
+    placed = apply_placement(state, load_placement(path))
+    return cfg.replace(ffn_config=dataclasses.replace(mcfg, placement=None)), placed
+
+
 # ----------------------------------------------------------------------------- state traversal
 def _moe_leaf_paths(flat: dict) -> dict:
     """Map layer key → {param name: path} for every MoE FFN in a flat state dict."""
     layers: dict = {}
     for path in flat:
-        if len(path) >= 2 and path[-2] == "ffn" and path[-1] in EXPERT_PARAM_NAMES + ("router", "router_bias", "similarity"):
+        names = EXPERT_PARAM_NAMES + ("router", "router_bias", "similarity")
+        if len(path) >= 2 and path[-2] == "ffn" and path[-1] in names:
             layers.setdefault(path[:-2], {})[path[-1]] = path
     # depth order: integer path parts compare as integers (layer 10 after layer 9)
     return dict(sorted(layers.items(), key=lambda kv: tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p))

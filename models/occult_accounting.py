@@ -22,7 +22,6 @@ worst case (see ``buffer_rows``), which is also reported.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 

@@ -4,16 +4,16 @@ Flatness Matters for LLM Quantization", ICML 2025; official code ruikangliu/Flat
 Placement per Llama-style layer (official ``model_tools/llama_utils.py``), with ``kron(L, R)``
 acting on a row-major reshaped token (``x ↦ Lᵀ · reshape(x, n1×n2) · R``):
 
-================  =======================  ==============================================  =========
-transform         size                     where                                            kept as
-================  =======================  ==============================================  =========
-``ln``            kron on d_model, + c      shared input of q/k/v                             online; c → input-norm γ
-``ug``            kron on d_model, + c      shared input of gate/up                           online; c → post-attn-norm γ
-``down``          kron on d_ff, + c         input of down_proj                                online; c → up_proj output columns
-``v``             head_dim × head_dim       v_proj output (so the V cache is transformed)     folded into v_proj
-``o``             n_heads × n_heads         head mixing of the attention output               online; o_proj gets kron(o, v)^{-T}
-``k``             head_dim × head_dim       q (inverse-transpose) and k **after RoPE**        online, in the KV4 cache
-================  =======================  ==============================================  =========
+==========  ========================  ==========================================  ===================================
+transform   size                      where                                       kept as
+==========  ========================  ==========================================  ===================================
+``ln``      kron on d_model, + c      shared input of q/k/v                       online; c → input-norm γ
+``ug``      kron on d_model, + c      shared input of gate/up                     online; c → post-attn-norm γ
+``down``    kron on d_ff, + c         input of down_proj                          online; c → up_proj output columns
+``v``       head_dim × head_dim       v_proj output (the V cache is transformed)  folded into v_proj
+``o``       n_heads × n_heads         head mixing of the attention output         online; o_proj gets kron(o, v)^{-T}
+``k``       head_dim × head_dim       q (inverse-transpose) and k after RoPE      online, in the KV4 cache
+==========  ========================  ==========================================  ===================================
 
 Weights transform with the inverse-transpose on their input dimension: ``W̃ = (W ⊘ c) · P^{-T}``
 (kernel layout ``[in, out]``: ``W̃ = P^{-1} · diag(1/c) · W``), so ``x̃ W̃ = x W`` exactly before
@@ -56,12 +56,25 @@ import numpy as np
 from flax import nnx, struct
 
 from pallasite.models.config import ModelConfig, kind_config
+from pallasite.models.context import Taps
 from pallasite.models.layers import LinearBase
 from pallasite.models.transformer import abstract_model
 from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4, unpack_weight_int4
 from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref, quantize_rows_packed
-from pallasite.ops.quant.quantizers import (LAC_INIT, NO_CLIP_LOGIT, fake_quant_act_sym, pack_int4, quantize_act_sym,
-                                            quantize_weight_sym)
+from pallasite.ops.quant.quantizers import (
+    LAC_INIT,
+    NO_CLIP_LOGIT,
+    act_scale_sym,
+    fake_quant_act_sym,
+    fake_quant_kv_asym,
+    fake_quant_weight_sym,
+    pack_int4,
+    qrange_sym,
+    quantize_act_sym,
+    quantize_weight_sym,
+    round_ste,
+    weight_scale_sym,
+)
 from pallasite.registry import LINEAR
 
 QUANT_METHODS = ("rtn", "smoothquant", "hadamard", "flatquant")
@@ -97,6 +110,9 @@ class QuantConfig:
     kv_group: int = 128
     share_inputs: bool = False  # transform (and quantize) a shared q/k/v or gate/up input once
     shared_act_clip: bool = False  # every linear of a shared input has the same clip: reuse the int4 codes
+    # calibration mode: float kernels quantized on the fly with straight-through rounding
+    # (differentiable; ops/quant/quantizers.py), no integer kernels
+    fake_quant: bool = False
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -106,6 +122,8 @@ class QuantConfig:
                 raise ValueError(f"QuantConfig.{name}={getattr(self, name)}; expected 4 or 16 (off)")
         if self.impl not in ("ref", "pallas"):
             raise ValueError(f"QuantConfig.impl={self.impl!r}; expected 'ref' or 'pallas'")
+        if self.fake_quant and self.share_inputs:
+            raise ValueError("QuantConfig: fake_quant (calibration) does not share inputs; set share_inputs=False")
 
 
 def check_quantizable(cfg: ModelConfig) -> None:
@@ -143,7 +161,11 @@ class SharedQuantInput:
 
 
 class QuantLinear(LinearBase):
-    """Deployed W4A4 linear: online Kronecker transform + per-token int4 activations × int4 weights."""
+    """W4A4 linear: online Kronecker transform + per-token int4 activations × int4 weights.
+
+    Deployed (default): packed int4 kernel + ``w_scale``, integer GEMM. ``fake_quant``
+    (calibration): a float kernel, fake-quantized on the fly with straight-through rounding, so
+    the output is differentiable in the kernel, the factors and the clip logits."""
 
     def __init__(self, in_features: int, out_features: int, *, cfg: ModelConfig, axes, use_bias: bool = False,
                  init_std: float = 0.02, rngs: nnx.Rngs):
@@ -152,7 +174,7 @@ class QuantLinear(LinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.dtype = jnp.dtype(cfg.dtype)
         axes = tuple(axes)
-        if q.w_bits < 16:
+        if q.w_bits < 16 and not q.fake_quant:
             if in_features % 2:
                 raise ValueError(f"QuantLinear: in_features={in_features} must be even to pack int4 pairs")
             self.kernel = nnx.Param(jnp.zeros((in_features // 2, out_features), jnp.uint8), logical_axes=axes)
@@ -172,7 +194,8 @@ class QuantLinear(LinearBase):
 
     def _shares_input(self) -> bool:
         q = self.qcfg
-        return q.share_inputs and self.in_left is not None and q.a_bits < 16 and q.w_bits < 16
+        return (q.share_inputs and not q.fake_quant and self.in_left is not None and q.a_bits < 16
+                and q.w_bits < 16)
 
     def prepare_shared_input(self, x: jax.Array):
         """Transform (and, with one clip per group, quantize) an input read by the whole group."""
@@ -183,6 +206,47 @@ class QuantLinear(LinearBase):
         if q.shared_act_clip:
             return SharedQuantInput(dims=dims, codes=kron_quantize(x32, L, R, self.act_clip[...], impl=q.impl))
         return SharedQuantInput(dims=dims, x_t=kron_transform_ref(x32, L, R))
+
+    def _transformed_input(self, x: jax.Array) -> jax.Array:
+        """The online transform in float32, on rows ``[N, in]`` as the fused kernel computes it."""
+        x = x.astype(jnp.float32)
+        if self.in_left is None:
+            return x
+        rows = kron_transform_ref(x.reshape(-1, x.shape[-1]), self.in_left[...].astype(jnp.float32),
+                                  self.in_right[...].astype(jnp.float32))
+        return rows.reshape(x.shape)
+
+    def _input_codes(self, x: jax.Array):
+        """(integer-valued codes, per-token scale [..., 1]) of the transformed input, straight-through."""
+        x = self._transformed_input(x)
+        qmin, qmax = qrange_sym(self.qcfg.a_bits)
+        scale = act_scale_sym(x, self.act_clip[...], self.qcfg.a_bits)
+        return jnp.clip(round_ste(x / scale), qmin, qmax), scale
+
+    def quantized_input(self, x: jax.Array) -> jax.Array:
+        """The activation the (folded) weight multiplies, in float32: the online transform, then the
+        per-token quantizer (quantize-dequantize, straight-through). The deployed integer path
+        multiplies exactly these values (its codes × scales); GPTQ's Hessian is built from them."""
+        if self.qcfg.a_bits >= 16:
+            return self._transformed_input(x)
+        codes, scale = self._input_codes(x)
+        return codes * scale
+
+    def _fake_quant_forward(self, x: jax.Array) -> jax.Array:
+        """Calibration mode. With both quantizers on, the GEMM runs on the codes and the scales are
+        applied after it, in the order of ``ops.quant.int_gemm``'s epilogue: the products of small
+        integers are exact in float32, so this equals the deployed integer path bit for bit (same
+        codes, same float operations) while staying differentiable (straight-through rounding)."""
+        q = self.qcfg
+        w = self.kernel[...].astype(jnp.float32)
+        if q.a_bits < 16 and q.w_bits < 16:
+            qmin, qmax = qrange_sym(q.w_bits)
+            w_scale = weight_scale_sym(w, q.w_bits)
+            w_codes = jnp.clip(round_ste(w / w_scale), qmin, qmax)
+            x_codes, x_scale = self._input_codes(x)
+            acc = jnp.dot(x_codes, w_codes, precision=jax.lax.Precision.HIGHEST)
+            return acc * x_scale * w_scale
+        return jnp.dot(self.quantized_input(x), fake_quant_weight_sym(w, q.w_bits))
 
     def __call__(self, x) -> jax.Array:
         """``x``: the float input, or a ``SharedQuantInput`` from the group's ``prepare_shared_input``."""
@@ -197,7 +261,11 @@ class QuantLinear(LinearBase):
             return int_gemm(xq, xs, self.kernel[...], self.w_scale[...], bias, impl=q.impl).astype(self.dtype)
         x = x.astype(jnp.float32)
         has_t = self.in_left is not None
-        if q.a_bits < 16 and q.w_bits < 16:
+        if q.fake_quant:
+            y = self._fake_quant_forward(x)
+            if bias is not None:
+                y = y + bias
+        elif q.a_bits < 16 and q.w_bits < 16:
             if has_t:
                 xq, xs = kron_quantize(x, self.in_left[...], self.in_right[...], self.act_clip[...], impl=q.impl)
             else:
@@ -221,54 +289,62 @@ class QuantLinear(LinearBase):
 LINEAR.register("w4a4", QuantLinear, config=QuantConfig)
 
 
-# ====================================================================== folding (float64, numpy)
-def _kron_apply(x, left, right):
-    """numpy float64 ``x @ kron(left, right)`` over the last axis via the row-major reshape."""
+# ====================================================================== folding
+def _namespace(*trees):
+    """jnp when any leaf is a jax array (calibration: differentiable, in the arrays' dtype), else
+    numpy in float64 (deployment: fold exactly, then quantize)."""
+    return jnp if any(isinstance(a, jax.Array) for t in trees for a in jax.tree.leaves(t)) else np
+
+
+def _kron_apply(x, left, right, xp=np):
+    """``x @ kron(left, right)`` over the last axis via the row-major reshape."""
     n1, n2 = left.shape[0], right.shape[0]
     X = x.reshape(*x.shape[:-1], n1, n2)
-    Y = np.einsum("ai,...ak,kb->...ib", left, X, right)
-    return Y.reshape(x.shape)
+    return xp.einsum("ai,...ak,kb->...ib", left, X, right).reshape(x.shape)
 
 
-def transform_weight_in(w_IO: np.ndarray, c: Optional[np.ndarray], kron_inv_t) -> np.ndarray:
+def transform_weight_in(w_IO, c, kron_inv_t, xp=np):
     """``W̃ = P^{-1} diag(1/c) W`` for kernel ``[in, out]``: each output column (a vector over the
     input) is divided by c and multiplied by ``kron(L^{-T}, R^{-T})`` like an activation row."""
-    w = np.asarray(w_IO, np.float64)
+    w = w_IO
     if c is not None:
-        w = w / np.asarray(c, np.float64)[:, None]
+        w = w / c[:, None]
     if kron_inv_t is not None:
-        w = _kron_apply(w.T, *kron_inv_t).T
+        w = _kron_apply(w.T, *kron_inv_t, xp=xp).T
     return w
 
 
-def apply_lwc(w_IO: np.ndarray, logits_O2: Optional[np.ndarray]) -> np.ndarray:
+def apply_lwc(w_IO, logits_O2, xp=np):
+    """Learnable weight clipping: column o clamped to ``[min_o·σ(θmin_o), max_o·σ(θmax_o)]``."""
     if logits_O2 is None:
         return w_IO
-    f = 1.0 / (1.0 + np.exp(-np.asarray(logits_O2, np.float64)))
-    wmax = w_IO.max(axis=0) * f[:, 0]
-    wmin = w_IO.min(axis=0) * f[:, 1]
-    return np.clip(w_IO, wmin, wmax)
+    f = 1.0 / (1.0 + xp.exp(-logits_O2))
+    return xp.clip(w_IO, w_IO.min(axis=0) * f[:, 1], w_IO.max(axis=0) * f[:, 0])
 
 
 def fold_layer(w: dict, t: dict, cfg: ModelConfig, *, weight_clipping: bool = True) -> dict:
-    """Fold one layer's transforms (``t``, float64 matrices, see training/flatquant.py ``resolve``)
-    into its float weights ``w`` → dict of float64 arrays for the deployed layer:
-    ``input_norm, post_norm, {q,k,v,o,gate,up,down}`` kernels (+ biases), the online factors
-    ``online[name] = (L, R)`` and clip logits. LWC is applied here (after the transform)."""
+    """Fold one layer's transforms ``t`` (see training/flatquant.py ``resolve``) into its float
+    weights ``w`` → the deployed layer: ``input_norm, post_norm, {q,k,v,o,gate,up,down}`` kernels
+    (+ biases), the online factors ``online[name] = (L, R)`` and clip logits ``lac``. LWC is applied
+    here (after the transform). numpy inputs fold in float64; jax inputs fold in their dtype,
+    differentiably (the calibration builds its quantized block through this function)."""
+    xp = _namespace(w, t)
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.dh
-    f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
-    out = {"input_norm": f64(w["input_norm"]).copy(), "post_norm": f64(w["post_norm"]).copy(), "online": {}}
-    lwc = (t.get("lwc") or {}) if weight_clipping else {}  # LWC belongs to the weight quantizer
+    cast = (lambda a: None if a is None else np.asarray(a, np.float64)) if xp is np else (  # noqa: E731
+        lambda a: None if a is None else jnp.asarray(a))
+    w = {k: cast(v) for k, v in w.items()}
+    t = {k: (jax.tree.map(cast, v) if k not in ("lwc", "lac") else v) for k, v in t.items()}
+    lwc = {n: cast(v) for n, v in (t.get("lwc") or {}).items()} if weight_clipping else {}  # weight quantizer
+    out = {"input_norm": w["input_norm"], "post_norm": w["post_norm"], "online": {}}
     # attention input: c folds into the RMSNorm gain (norm(x)·γ·c)
     if t.get("c_ln") is not None:
-        out["input_norm"] = out["input_norm"] * f64(t["c_ln"])
+        out["input_norm"] = out["input_norm"] * t["c_ln"]
     for name in ("q", "k", "v"):
-        kern = transform_weight_in(w[name], t.get("c_ln"), t.get("ln_inv_t"))
-        kern = apply_lwc(kern, lwc.get(name))
-        bias = f64(w.get(name + "_bias"))
+        kern = apply_lwc(transform_weight_in(w[name], t.get("c_ln"), t.get("ln_inv_t"), xp), lwc.get(name), xp)
+        bias = w.get(name + "_bias")
         if name == "v" and t.get("v") is not None:  # out-transform: each head's values · Mv
-            Mv = f64(t["v"])
-            kern = np.einsum("ikd,de->ike", kern.reshape(-1, K, Dh), Mv).reshape(kern.shape)
+            Mv = t["v"]
+            kern = xp.einsum("ikd,de->ike", kern.reshape(-1, K, Dh), Mv).reshape(kern.shape)
             if bias is not None:
                 bias = (bias.reshape(K, Dh) @ Mv).reshape(-1)
         out[name], out[name + "_bias"] = kern, bias
@@ -276,25 +352,26 @@ def fold_layer(w: dict, t: dict, cfg: ModelConfig, *, weight_clipping: bool = Tr
     # o_proj: input (attention output, heads × Dh) carries kron(Mo, Mv); inverse goes into the weight
     o_inv = None
     if t.get("o") is not None or t.get("v") is not None:
-        o_inv = (f64(t["o_inv_t"]) if t.get("o") is not None else np.eye(H),
-                 f64(t["v_inv_t"]) if t.get("v") is not None else np.eye(Dh))
-    out["o"] = apply_lwc(transform_weight_in(w["o"], None, o_inv), lwc.get("o"))
-    out["o_bias"] = f64(w.get("o_bias"))
-    out["online"]["o"] = None if t.get("o") is None else (f64(t["o"]), np.eye(Dh))
+        o_inv = (t["o_inv_t"] if t.get("o") is not None else xp.eye(H, dtype=w["o"].dtype),
+                 t["v_inv_t"] if t.get("v") is not None else xp.eye(Dh, dtype=w["o"].dtype))
+    out["o"] = apply_lwc(transform_weight_in(w["o"], None, o_inv, xp), lwc.get("o"), xp)
+    out["o_bias"] = w.get("o_bias")
+    out["online"]["o"] = None if t.get("o") is None else (t["o"], xp.eye(Dh, dtype=w["o"].dtype))
     # MLP
     if t.get("c_ug") is not None:
-        out["post_norm"] = out["post_norm"] * f64(t["c_ug"])
+        out["post_norm"] = out["post_norm"] * t["c_ug"]
     for name in ("gate", "up"):
-        out[name] = apply_lwc(transform_weight_in(w[name], t.get("c_ug"), t.get("ug_inv_t")), lwc.get(name))
-        out[name + "_bias"] = f64(w.get(name + "_bias"))
+        out[name] = apply_lwc(transform_weight_in(w[name], t.get("c_ug"), t.get("ug_inv_t"), xp), lwc.get(name), xp)
+        out[name + "_bias"] = w.get(name + "_bias")
         out["online"][name] = t.get("ug")
-    out["down"] = apply_lwc(transform_weight_in(w["down"], t.get("c_down"), t.get("down_inv_t")), lwc.get("down"))
-    out["down_bias"] = f64(w.get("down_bias"))
+    out["down"] = apply_lwc(transform_weight_in(w["down"], t.get("c_down"), t.get("down_inv_t"), xp),
+                            lwc.get("down"), xp)
+    out["down_bias"] = w.get("down_bias")
     out["online"]["down"] = t.get("down")
     if t.get("c_down") is not None:  # per-output-channel scaling commutes with per-channel quantization
-        out["up"] = out["up"] * f64(t["c_down"])[None, :]
+        out["up"] = out["up"] * t["c_down"][None, :]
         if out["up_bias"] is not None:
-            out["up_bias"] = out["up_bias"] * f64(t["c_down"])
+            out["up_bias"] = out["up_bias"] * t["c_down"]
     out["lac"] = dict(t.get("lac") or {})
     return out
 
@@ -304,38 +381,77 @@ _LINEAR_PATHS = {"q": ("attn", "q_proj"), "k": ("attn", "k_proj"), "v": ("attn",
                  "gate": ("ffn", "gate_proj"), "up": ("ffn", "up_proj"), "down": ("ffn", "down_proj")}
 
 
+def layer_params(pure: dict, cfg: ModelConfig, i: int) -> dict:
+    """Layer i's parameters as one ``Block``'s pure dict (list or scanned layout)."""
+    if cfg.scan_layers:
+        return jax.tree.map(lambda a: a[i], pure["layers"])
+    return pure["layers"][i]
+
+
 def layer_weights(pure: dict, cfg: ModelConfig, i: int) -> dict:
     """Float weights of layer i from a pure state dict (list or scanned layout) as numpy arrays."""
-    layers = pure["layers"]
-    if cfg.scan_layers:
-        take = lambda a: np.asarray(a)[i]  # noqa: E731
-        lay = jax.tree.map(take, layers)
-    else:
-        lay = layers[i]
+    lay = layer_params(pure, cfg, i)
     w = {"input_norm": np.asarray(lay["input_norm"]["scale"]), "post_norm": np.asarray(lay["post_attn_norm"]["scale"])}
     for name, (mod, sub) in _LINEAR_PATHS.items():
         try:
             p = lay[mod][sub]
         except KeyError:
-            raise ValueError(f"layer {i}: missing {mod}.{sub}; FlatQuant placement needs q/k/v/o and gate/up/down") from None
+            raise ValueError(f"layer {i}: missing {mod}.{sub}; FlatQuant placement needs q/k/v/o and "
+                             f"gate/up/down") from None
         w[name] = np.asarray(p["kernel"])
         w[name + "_bias"] = None if p.get("bias") is None else np.asarray(p["bias"])
     return w
 
 
-def quantized_config(cfg: ModelConfig, qcfg: QuantConfig) -> ModelConfig:
+def quantized_config(cfg: ModelConfig, qcfg: QuantConfig, kv_cache_config=None) -> ModelConfig:
+    """The quantized model's config: ``linear="w4a4"`` and, with 4-bit KV, ``kv_cache="kv4"``."""
     check_quantizable(cfg)
-    return cfg.replace(linear="w4a4", linear_config=qcfg, scan_layers=False)
+    kv = dict(kv_cache="kv4", kv_cache_config=kv_cache_config) if qcfg.kv_bits < 16 else dict(kv_cache="dense")
+    return cfg.replace(linear="w4a4", linear_config=qcfg, scan_layers=False, **kv)
+
+
+def quantized_block_params(folded: dict, template: dict, qcfg: QuantConfig, weight_quantizer=None,
+                           layer: int = 0) -> dict:
+    """One quantized ``Block``'s pure dict (shaped like ``template``, the block's abstract pure
+    dict) from a folded layer. Deployed: packed int4 kernels + scales (numpy, RTN or
+    ``weight_quantizer(layer, name, w_IO) -> (q, scale)``); ``qcfg.fake_quant`` or ``w_bits=16``:
+    the float kernels as given (jax arrays stay jax arrays: differentiable)."""
+    xp = _namespace(folded)
+    f32 = (lambda a: np.asarray(a, np.float32)) if xp is np else (lambda a: a.astype(jnp.float32))  # noqa: E731
+    out = {"input_norm": {"scale": f32(folded["input_norm"])}, "post_attn_norm": {"scale": f32(folded["post_norm"])}}
+    for name, (mod, sub) in _LINEAR_PATHS.items():
+        tp = template[mod][sub]
+        p = {}
+        w = folded[name]
+        if qcfg.w_bits < 16 and not qcfg.fake_quant:
+            qw, sw = (quantize_weight_sym(jnp.asarray(w, jnp.float32)) if weight_quantizer is None
+                      else weight_quantizer(layer, name, w))
+            p["kernel"] = np.asarray(pack_weight_int4(jnp.asarray(qw)))
+            p["w_scale"] = np.asarray(sw, np.float32)
+        else:
+            p["kernel"] = f32(w)
+        if "bias" in tp:
+            b = folded.get(name + "_bias")
+            p["bias"] = xp.zeros(tp["bias"].shape, xp.float32) if b is None else f32(b)
+        if "in_left" in tp:
+            lr = folded["online"].get(name)
+            n1, n2 = tp["in_left"].shape[0], tp["in_right"].shape[0]
+            p["in_left"] = xp.eye(n1, dtype=xp.float32) if lr is None else f32(lr[0])
+            p["in_right"] = xp.eye(n2, dtype=xp.float32) if lr is None else f32(lr[1])
+        clip = folded["lac"].get(name)
+        p["act_clip"] = xp.full((2,), NO_CLIP_LOGIT, xp.float32) if clip is None else f32(clip)
+        out.setdefault(mod, {})[sub] = p
+    return out
 
 
 def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[dict], qcfg: QuantConfig,
-                          weight_quantizer=None):
+                          weight_quantizer=None, kv_cache_config=None):
     """Assemble the deployed model: (cfg_q, pure state dict). ``weight_quantizer(i, name, w_IO) ->
     (q int8 [in, out], scale [out])`` defaults to RTN; GPTQ plugs in here."""
     if qcfg.share_inputs:
         qcfg = dataclasses.replace(qcfg, share_inputs=_groups_share_factors(folded_layers),
                                    shared_act_clip=_groups_share_clips(folded_layers))
-    cfg_q = quantized_config(cfg, qcfg)
+    cfg_q = quantized_config(cfg, qcfg, kv_cache_config)
     _, abstract_state = nnx.split(abstract_model(cfg_q))
     pure = abstract_state.to_pure_dict()
     pure["embed"] = jax.tree.map(np.asarray, pure_fp["embed"])
@@ -343,31 +459,7 @@ def build_quantized_state(cfg: ModelConfig, pure_fp: dict, folded_layers: list[d
     if "lm_head" in pure_fp and pure_fp["lm_head"] is not None and "lm_head" in pure:
         pure["lm_head"] = jax.tree.map(np.asarray, pure_fp["lm_head"])
     for i, f in enumerate(folded_layers):
-        lay = pure["layers"][i]
-        lay["input_norm"]["scale"] = f["input_norm"].astype(np.float32)
-        lay["post_attn_norm"]["scale"] = f["post_norm"].astype(np.float32)
-        for name, (mod, sub) in _LINEAR_PATHS.items():
-            p = lay[mod][sub]
-            w = f[name]
-            if qcfg.w_bits < 16:
-                if weight_quantizer is None:
-                    qw, sw = quantize_weight_sym(jnp.asarray(w, jnp.float32))
-                else:
-                    qw, sw = weight_quantizer(i, name, w)
-                p["kernel"] = np.asarray(pack_weight_int4(jnp.asarray(qw)))
-                p["w_scale"] = np.asarray(sw, np.float32)
-            else:
-                p["kernel"] = w.astype(np.float32)
-            if "bias" in p:
-                b = f.get(name + "_bias")
-                p["bias"] = np.zeros(p["bias"].shape, np.float32) if b is None else b.astype(np.float32)
-            if qcfg.online_transform:
-                lr = f["online"].get(name)
-                n1, n2 = p["in_left"].shape[0], p["in_right"].shape[0]
-                p["in_left"] = np.eye(n1, dtype=np.float32) if lr is None else np.asarray(lr[0], np.float32)
-                p["in_right"] = np.eye(n2, dtype=np.float32) if lr is None else np.asarray(lr[1], np.float32)
-            clip = f["lac"].get(name)
-            p["act_clip"] = np.full((2,), NO_CLIP_LOGIT, np.float32) if clip is None else np.asarray(clip, np.float32)
+        pure["layers"][i] = quantized_block_params(f, pure["layers"][i], qcfg, weight_quantizer, i)
     return cfg_q, pure
 
 
@@ -392,15 +484,38 @@ def _groups_share_clips(folded_layers: list[dict]) -> bool:
 
 
 def kv_transforms(cfg: ModelConfig, resolved_layers: list[dict]) -> dict:
-    """Per-layer K-cache transform / inverse-transpose and K/V clip logits for ``init_kv4_cache``."""
-    Dh = cfg.dh
-    eye = np.eye(Dh)
-    kt = np.stack([np.asarray(t["k"]) if t.get("k") is not None else eye for t in resolved_layers])
-    qt = np.stack([np.asarray(t["k_inv_t"]) if t.get("k") is not None else eye for t in resolved_layers])
-    clip = lambda key: np.stack([np.asarray(t[key]) if t.get(key) is not None else np.full(2, NO_CLIP_LOGIT)  # noqa: E731
-                                 for t in resolved_layers])
-    return {"k_trans": jnp.asarray(kt, jnp.float32), "q_trans": jnp.asarray(qt, jnp.float32),
-            "k_clip": jnp.asarray(clip("k_clip"), jnp.float32), "v_clip": jnp.asarray(clip("v_clip"), jnp.float32)}
+    """Per-layer K-cache transform / inverse-transpose and K/V clip logits (``[L, ...]`` float32)
+    for ``init_kv4_cache`` and ``kv_quant_taps`` (traceable: calibration builds one per layer)."""
+    eye = jnp.eye(cfg.dh, dtype=jnp.float32)
+    no_clip = jnp.full((2,), NO_CLIP_LOGIT, jnp.float32)
+
+    def stack(key, default, present="k"):
+        present = key if present is None else present
+        return jnp.stack([default if t.get(present) is None else jnp.asarray(t[key], jnp.float32)
+                          for t in resolved_layers])
+
+    return {"k_trans": stack("k", eye), "q_trans": stack("k_inv_t", eye),
+            "k_clip": stack("k_clip", no_clip, None), "v_clip": stack("v_clip", no_clip, None)}
+
+
+def kv_quant_taps(kv: dict, kv_bits: int, group: int = 128, capture=()) -> Taps:
+    """Taps that give the real blocks the KV4 cache's numerics without a cache, differentiably:
+    after RoPE queries · ``q_trans`` (``attn.q``) and keys · ``k_trans`` (``attn.k``), then keys and
+    values quantize-dequantized with their clip logits by the cache's quantizer (straight-through
+    rounding). ``kv`` is ``kv_transforms``' dict (``[L, ...]``, indexed by the block's layer)."""
+    f32 = jnp.float32
+
+    def replace(name, x, layer):
+        if name == "attn.q":
+            return jnp.einsum("bthd,de->bthe", x.astype(f32), kv["q_trans"][layer].astype(f32)).astype(x.dtype)
+        if name == "attn.k":
+            k = jnp.einsum("btkd,de->btke", x.astype(f32), kv["k_trans"][layer].astype(f32))
+            return fake_quant_kv_asym(k, kv["k_clip"][layer], kv_bits, group).astype(x.dtype)
+        if name == "attn.v":
+            return fake_quant_kv_asym(x.astype(f32), kv["v_clip"][layer], kv_bits, group).astype(x.dtype)
+        return x
+
+    return Taps(capture=capture, replace=replace)
 
 
 def state_from_pure(cfg_q: ModelConfig, pure: dict):

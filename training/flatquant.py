@@ -47,10 +47,17 @@ import numpy as np
 import optax
 
 from pallasite.models.config import ModelConfig
-from pallasite.models.quantized import check_quantizable, decompose_dim
-from pallasite.models.rope import inv_frequencies
-from pallasite.ops.quant.quantizers import (LAC_INIT, fake_quant_act_sym, fake_quant_kv_asym, fake_quant_weight_sym,
-                                            weight_clip)
+from pallasite.models.quantized import (
+    check_quantizable,
+    decompose_dim,
+    fold_layer,
+    kv_quant_taps,
+    kv_transforms,
+    layer_weights,
+    quantized_block_params,
+)
+from pallasite.ops.quant.quantizers import LAC_INIT
+from pallasite.training.quant_blocks import BlockFn, calibration_config, fp_layers
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -78,130 +85,17 @@ class CalibConfig:
     seed: int = 0
 
 
-# ====================================================================== functional layer
-def rms_norm(x, g, eps):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
-
-
-def rope_tables(cfg: ModelConfig, T: int, dtype):
-    inv = inv_frequencies(cfg.dh, cfg.rope_theta, cfg.rope_scaling_dict)
-    freqs = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return jnp.asarray(np.cos(emb), dtype), jnp.asarray(np.sin(emb), dtype)
-
-
-def _rope(x_BTHD, cos, sin):
-    half = x_BTHD.shape[-1] // 2
-    rot = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
-    return x_BTHD * cos[None, :, None, :] + rot * sin[None, :, None, :]
-
-
-def _attention(q, k, v, window: Optional[int]):
-    B, T, H, Dh = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, H // K, Dh)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(Dh)
-    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    mask = j <= i
-    if window is not None:
-        mask &= (i - j) < window
-    logits = jnp.where(jnp.asarray(mask), logits, jnp.asarray(-1e30, logits.dtype))
-    p = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, H, Dh)
-
-
-def kron_apply(x, pair):
-    """``x @ kron(L, R)`` via the row-major reshape (``Lᵀ X R``); ``pair`` None = identity."""
-    if pair is None:
-        return x
-    L, R = pair
-    n1, n2 = L.shape[0], R.shape[0]
-    X = x.reshape(*x.shape[:-1], n1, n2)
-    return jnp.einsum("ai,...ak,kb->...ib", L, X, R).reshape(x.shape)
-
-
-def _tw(kern, c, inv_t):
-    """Weight transform on the input dim: column-wise ``(w / c) @ kron(L^{-T}, R^{-T})``."""
-    if c is not None:
-        kern = kern / c[:, None]
-    if inv_t is not None:
-        kern = kron_apply(kern.T, inv_t).T
-    return kern
-
-
-def layer_forward(w: dict, t: Optional[dict], x_BTD, cfg: ModelConfig, bits: Bits = FP_BITS, *,
-                  rope=None, collect: bool = False, hessians: bool = False):
-    """One Llama-style decoder layer as a pure function, in x's dtype (float64-capable).
-
-    ``t`` holds resolved transforms (``resolve``) or None; with all bits = 16 and any invertible
-    transforms the output equals the plain layer (exact invariance). ``collect=True`` also returns
-    per-channel absmax of the three quantized inputs (for the SmoothQuant-style init).
-    ``hessians=True`` returns ``(out, {"qkv"|"o"|"ug"|"down": Σ x̂ᵀx̂})``: the sums over tokens of
-    the outer products of each linear's quantizer-dequantized, transformed input (the input the
-    folded weight actually sees; GPTQ's Hessian is ``2·Σ / n``); shared inputs appear once."""
-    t = t or {}
-    dt = x_BTD.dtype
-    B, T, D = x_BTD.shape
-    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.dh
-    cos, sin = rope if rope is not None else rope_tables(cfg, T, dt)
-    lwc, lac = t.get("lwc") or {}, t.get("lac") or {}
-    stats = {}
-
-    hess = {}
-    hess_key = {"q": "qkv", "o": "o", "gate": "ug", "down": "down"}  # k, v / up share q's / gate's input
-
-    def linear(xt, name, c=None, inv_t=None, out_head=None):
-        kern = _tw(w[name].astype(dt), c, inv_t)
-        if lwc.get(name) is not None and bits.w < 16:  # LWC is part of the weight quantizer
-            kern = weight_clip(kern, lwc[name])
-        bias = w.get(name + "_bias")
-        if out_head is not None:
-            kern = jnp.einsum("ikd,de->ike", kern.reshape(D, K, Dh), out_head).reshape(kern.shape)
-            if bias is not None:
-                bias = (bias.reshape(K, Dh) @ out_head).reshape(-1)
-        kern = fake_quant_weight_sym(kern, bits.w)
-        xq = fake_quant_act_sym(xt, lac.get(name), bits.a)
-        if hessians and name in hess_key:
-            x2 = xq.reshape(-1, xq.shape[-1])
-            hess[hess_key[name]] = x2.T @ x2
-        y = xq @ kern
-        return y if bias is None else y + bias
-
-    h = rms_norm(x_BTD, w["input_norm"].astype(dt), cfg.norm_eps)
-    if collect:
-        stats["ln"] = jnp.max(jnp.abs(h), axis=(0, 1))
-    hx = kron_apply(h * t["c_ln"] if t.get("c_ln") is not None else h, t.get("ln"))
-    q = linear(hx, "q", t.get("c_ln"), t.get("ln_inv_t")).reshape(B, T, H, Dh)
-    k = linear(hx, "k", t.get("c_ln"), t.get("ln_inv_t")).reshape(B, T, K, Dh)
-    v = linear(hx, "v", t.get("c_ln"), t.get("ln_inv_t"), out_head=t.get("v")).reshape(B, T, K, Dh)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    if t.get("k") is not None:  # key-cache transform after RoPE; queries get the inverse-transpose
-        q = q @ t["k_inv_t"]
-        k = k @ t["k"]
-    k = fake_quant_kv_asym(k, t.get("k_clip"), bits.kv)
-    v = fake_quant_kv_asym(v, t.get("v_clip"), bits.kv)
-    attn = _attention(q, k, v, cfg.sliding_window).reshape(B, T, H * Dh)
-    o_inv = None
-    if t.get("o") is not None or t.get("v") is not None:
-        eyeH, eyeD = jnp.eye(H, dtype=dt), jnp.eye(Dh, dtype=dt)
-        o_inv = (t["o_inv_t"] if t.get("o") is not None else eyeH, t["v_inv_t"] if t.get("v") is not None else eyeD)
-        if t.get("o") is not None:
-            attn = kron_apply(attn, (t["o"], eyeD))
-    x = x_BTD + linear(attn, "o", None, o_inv)
-    h2 = rms_norm(x, w["post_norm"].astype(dt), cfg.norm_eps)
-    if collect:
-        stats["ug"] = jnp.max(jnp.abs(h2), axis=(0, 1))
-    hu = kron_apply(h2 * t["c_ug"] if t.get("c_ug") is not None else h2, t.get("ug"))
-    g = linear(hu, "gate", t.get("c_ug"), t.get("ug_inv_t"))
-    u = linear(hu, "up", t.get("c_ug"), t.get("ug_inv_t"))
-    a = jax.nn.silu(g) * u
-    if collect:
-        stats["down"] = jnp.max(jnp.abs(a), axis=(0, 1))
-    ad = kron_apply(a * t["c_down"] if t.get("c_down") is not None else a, t.get("down"))
-    out = x + linear(ad, "down", t.get("c_down"), t.get("down_inv_t"))
-    if hessians:
-        return out, hess
-    return (out, stats) if collect else out
+# ====================================================================== the quantized layer
+def quantized_layer_forward(block_fn: BlockFn, cfg: ModelConfig, w: dict, t: dict, x_BTD, bits: Bits):
+    """Layer output of the calibration-mode ``Block`` (``block_fn``: ``calibration_config``) whose
+    parameters are ``fold_layer(w, t)`` — differentiable in ``t``: online transforms and clips in
+    the ``QuantLinear``s, folded weights fake-quantized, K transform after RoPE and K/V fake
+    quantization through ``kv_quant_taps`` (the KV4 cache's quantizer)."""
+    folded = fold_layer(w, t, cfg, weight_clipping=bits.w < 16)
+    params = quantized_block_params(folded, block_fn.template, block_fn.cfg.linear_config)
+    kv = kv_transforms(cfg, [t])
+    y, _ = block_fn(params, x_BTD, kv_quant_taps(kv, bits.kv, block_fn.cfg.linear_config.kv_group))
+    return y
 
 
 # ====================================================================== transform parameters
@@ -319,33 +213,26 @@ def make_optimizer(theta, ccfg: CalibConfig, total_steps: int):
     return optax.multi_transform({"trans": adamw(ccfg.lr), "clip": adamw(ccfg.lr * ccfg.clip_lr_mult)}, _labels(theta))
 
 
-def embed_tokens(pure: dict, tokens_NT) -> jax.Array:
-    return jnp.take(jnp.asarray(pure["embed"]["embedding"], jnp.float32), jnp.asarray(tokens_NT), axis=0)
-
-
 def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibConfig = CalibConfig(), *,
-              bits: Bits = Bits(), log: Callable[[str], None] = print, layer_weights_fn=None,
-              max_layers: Optional[int] = None, checkpoint: Optional[str] = None, log_epochs: bool = False):
+              bits: Bits = Bits(), log: Callable[[str], None] = print, max_layers: Optional[int] = None,
+              checkpoint: Optional[str] = None, log_epochs: bool = False):
     """Layer-wise FlatQuant calibration. Returns (resolved transforms per layer as float64 numpy,
-    history: list of per-layer lists of per-epoch mean MSE).
+    history: list of per-layer lists of per-epoch mean MSE). ``max_layers``: calibrate only the
+    first layers (the rest are left to the caller, e.g. identity transforms).
 
     ``checkpoint``: a directory; each finished layer's resolved transforms and MSE history are
     written there at once (``layer_XXX.npz``) and layers already present are loaded instead of
     re-trained (their FP outputs are recomputed, which is cheap), so a crash loses at most one
     layer. The directory also records the calibration setting and refuses to resume a different one."""
-    from pallasite.models.quantized import layer_weights
-
     check_quantizable(cfg)
-    layer_weights_fn = layer_weights_fn or (lambda i: layer_weights(pure, cfg, i))
     tokens_NT = np.asarray(tokens_NT)
     N, T = tokens_NT.shape
     bsz = min(ccfg.batch, N)
     steps_per_epoch = N // bsz
-    rope = rope_tables(cfg, T, jnp.float32)
-    fp_fn = jax.jit(lambda w, x: layer_forward(w, None, x, cfg, FP_BITS, rope=rope, collect=True))
+    block_fn = BlockFn(calibration_config(cfg, bits.w, bits.a, bits.kv))
 
     def loss_fn(theta, frozen, w, x, target):
-        out = layer_forward(w, resolve(theta, frozen), x, cfg, bits, rope=rope)
+        out = quantized_layer_forward(block_fn, cfg, w, resolve(theta, frozen), x, bits)
         return jnp.mean((out - target) ** 2)
 
     opt = None  # built from the first layer's θ (same structure for every layer), so one compile
@@ -357,31 +244,22 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
         updates, opt_state = opt.update(grads, opt_state, theta)
         return optax.apply_updates(theta, updates), opt_state, mse
 
-    x_in = embed_tokens(pure, tokens_NT)
-    n_layers = cfg.n_layers if max_layers is None else min(max_layers, cfg.n_layers)
     resolved, history = [], []
     step_jit = None
     if checkpoint is not None:
         _check_checkpoint_setting(checkpoint, ccfg, bits, tokens_NT)
-    for i in range(n_layers):
+    for i, x_in, x_out, stats in fp_layers(cfg, pure, tokens_NT, bsz, max_layers):
         t0 = time.time()
-        w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights_fn(i).items()}
-        outs, stats = [], None
-        for b in range(0, N, bsz):
-            o, s = fp_fn(w, x_in[b:b + bsz])
-            outs.append(o)
-            stats = s if stats is None else jax.tree.map(jnp.maximum, stats, s)
-        x_out = jnp.concatenate(outs, axis=0)
+        w_np = {k: v for k, v in layer_weights(pure, cfg, i).items() if v is not None}
+        w = {k: jnp.asarray(v, jnp.float32) for k, v in w_np.items()}
         saved = None if checkpoint is None else load_layer_checkpoint(checkpoint, i)
         if saved is not None:
             resolved.append(saved[0])
             history.append(saved[1])
             log(f"flatquant layer {i}: loaded from {checkpoint} (mse {saved[1][0]:.3e} -> {saved[1][-1]:.3e})")
-            x_in = x_out
             continue
         rng = np.random.default_rng([ccfg.seed, i])  # per layer: a resumed run draws the same bases
-        theta, frozen = init_flatquant_params(cfg, {k: np.asarray(v) for k, v in w.items() if v is not None},
-                                              stats, ccfg, rng)
+        theta, frozen = init_flatquant_params(cfg, w_np, stats, ccfg, rng)
         if opt is None:
             opt = make_optimizer(theta, ccfg, ccfg.epochs * steps_per_epoch)
             step_jit = jax.jit(step, donate_argnums=(0, 1))
@@ -405,7 +283,6 @@ def calibrate(cfg: ModelConfig, pure: dict, tokens_NT: np.ndarray, ccfg: CalibCo
         if checkpoint is not None:
             save_layer_checkpoint(checkpoint, i, resolved[-1], epoch_mse)
         log(f"flatquant layer {i}: mse {epoch_mse[0]:.3e} -> {epoch_mse[-1]:.3e} ({time.time() - t0:.1f}s)")
-        x_in = x_out  # the FP output of the FP layer feeds the next layer
     return resolved, history
 
 
@@ -496,32 +373,3 @@ def _check_checkpoint_setting(directory: str, ccfg: CalibConfig, bits: Bits, tok
     else:
         with open(path, "w") as f:
             json.dump(setting, f, indent=1)
-
-
-def folded_layer_forward(folded: dict, x_BTD, cfg: ModelConfig, k_trans=None, q_trans=None, *, rope=None):
-    """The deployed layer with quantizers off, in x's dtype: folded weights from
-    ``models.quantized.fold_layer``, online Kronecker transforms at the linear inputs and the K
-    transform after RoPE — what ``QuantLinear`` + ``KV4Cache`` compute, minus quantization.
-    Used to prove that folding is exact (float64)."""
-    dt = x_BTD.dtype
-    B, T, D = x_BTD.shape
-    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.dh
-    cos, sin = rope if rope is not None else rope_tables(cfg, T, dt)
-    cast = lambda a: None if a is None else jnp.asarray(a, dt)  # noqa: E731
-
-    def lin(xin, name):
-        pair = folded["online"].get(name)
-        xt = kron_apply(xin, None if pair is None else (cast(pair[0]), cast(pair[1])))
-        y = xt @ cast(folded[name])
-        b = cast(folded.get(name + "_bias"))
-        return y if b is None else y + b
-
-    h = rms_norm(x_BTD, cast(folded["input_norm"]), cfg.norm_eps)
-    q = _rope(lin(h, "q").reshape(B, T, H, Dh), cos, sin)
-    k = _rope(lin(h, "k").reshape(B, T, K, Dh), cos, sin)
-    v = lin(h, "v").reshape(B, T, K, Dh)
-    if k_trans is not None:
-        q, k = q @ cast(q_trans), k @ cast(k_trans)
-    x = x_BTD + lin(_attention(q, k, v, cfg.sliding_window).reshape(B, T, H * Dh), "o")
-    h2 = rms_norm(x, cast(folded["post_norm"]), cfg.norm_eps)
-    return x + lin(jax.nn.silu(lin(h2, "gate")) * lin(h2, "up"), "down")

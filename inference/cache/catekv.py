@@ -26,9 +26,14 @@ import numpy as np
 from flax import struct
 
 from pallasite.inference.cache.base import KVCache
-from pallasite.inference.cache.catekv_mask import load_head_mask
-from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_scores, classify_heads, kept_indices,
-                                                      middle_attention)
+from pallasite.inference.cache.catekv_mask import MASK_FILE, load_head_mask
+from pallasite.inference.cache.catekv_select import (
+    CateKVConfig,
+    chunk_scores,
+    classify_heads,
+    kept_indices,
+    middle_attention,
+)
 from pallasite.ops.attention import attention, decode_attention
 from pallasite.ops.attention.kv_source import dense_source
 from pallasite.ops.common import round_up
@@ -109,14 +114,20 @@ class CateKVCache(KVCache):
     def create(cls, model_cfg, batch_size: int, max_len: int, *, config: Optional[CateKVConfig] = None,
                model=None) -> "CateKVCache":
         """The hybrid cache for serving: the head mask comes from ``config.head_mask`` (a file written
-        by ``catekv_mask.save_head_mask``; a relative path is looked up in the model's folder)."""
+        by ``pallasite catekv-calibrate``; a relative path is looked up in the model's folder), by
+        default ``catekv_head_mask.json`` in the model's folder."""
         config = config or CateKVConfig()
-        if config.head_mask is None:
-            raise ValueError("kv_cache='catekv' needs a head mask: set kv_cache_config.head_mask to the file "
-                             "written by CateKV calibration (pallasite.inference.cache.catekv_mask.save_head_mask)")
+        folder = getattr(model, "path", None)
         path = config.head_mask
-        if not os.path.isabs(path) and getattr(model, "path", None):
-            path = os.path.join(model.path, path)
+        if path is None:
+            if not folder or not os.path.exists(os.path.join(folder, MASK_FILE)):
+                where = f"in {folder}" if folder else "(the model has no folder)"
+                raise ValueError(f"kv_cache='catekv' needs a head mask: none given and no {MASK_FILE} {where}. "
+                                 "Write one with `pallasite catekv-calibrate --model MODEL` or pass "
+                                 "kv_cache_config.head_mask (CLI: --catekv.head_mask FILE)")
+            path = MASK_FILE
+        if not os.path.isabs(path) and folder:
+            path = os.path.join(folder, path)
         mask = load_head_mask(path, model_cfg, adaptive_ratio=config.adaptive_ratio)
         return init_catekv_cache(model_cfg, batch_size, max_len, mask, catekv_cfg=config)
 
@@ -275,7 +286,8 @@ class CateKVCache(KVCache):
                             sparse_offset=count_B - lengths, cv=cv.astype(jnp.float32))
 
 
-def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *, catekv_cfg: CateKVConfig = CateKVConfig(),
+def init_catekv_cache(model_cfg, batch_size: int, max_len: int, head_mask_LK, *,
+                      catekv_cfg: CateKVConfig = CateKVConfig(),
                       max_new_tokens: Optional[int] = None, prompt_lengths=None, dtype=None) -> CateKVCache:
     """Empty hybrid cache: an adaptive pool of ``max_len`` slots for the mask's Σ_l a_l heads and a
     consistent pool of ``round_up(kept_max + max_new_tokens, 128)`` slots for its Σ_l c_l heads
@@ -345,7 +357,8 @@ def memory_report(*, n_layers: int, n_kv_heads: int, head_dim: int, context: int
     hybrid = hybrid_kv + index_bytes
     return {"context": context, "adaptive_ratio": r, "budget": catekv_cfg.budget, "full_bytes": full_bytes,
             "hybrid_bytes": hybrid, "hybrid_kv_bytes": hybrid_kv, "index_bytes": index_bytes,
-            "ratio": full_bytes / hybrid, "ideal_ratio": ideal_ratio, "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
+            "ratio": full_bytes / hybrid, "ideal_ratio": ideal_ratio,
+            "ratio_vs_ideal": (full_bytes / hybrid) / ideal_ratio,
             "adaptive_heads": n_adaptive, "consistent_heads": n_consistent,
             "adaptive_window_per_layer": full_idx.shape[1], "consistent_window_per_layer": sparse_idx.shape[1]}
 

@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+
 @dataclasses.dataclass(frozen=True)
 class CateKVConfig:
     budget: int = 2048  # B: tokens kept per consistent head (plus the unchunked tail)
@@ -79,9 +80,12 @@ def middle_attention(q_last_BQHD, k_BSKD, lengths_B, cfg: CateKVConfig):
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     G = H // K
     C, init = cfg.chunk_size, cfg.init_tokens
-    n_slots = max((S - init) // C, 0)
+    # at least one (then invalid) chunk slot: a prompt shorter than init + one chunk has no middle
+    n_slots = max((S - init) // C, 1)
     M = n_slots * C
     k_mid = k_BSKD[:, init:init + M]
+    if k_mid.shape[1] < M:
+        k_mid = jnp.pad(k_mid, ((0, 0), (0, M - k_mid.shape[1]), (0, 0), (0, 0)))
     _, mid_end, _ = chunk_geometry(lengths_B, cfg)
     valid_BM = (init + jnp.arange(M))[None, :] < mid_end[:, None]
     q = q_last_BQHD.reshape(B, Q, K, G, D).astype(jnp.float32)
@@ -149,7 +153,8 @@ def kept_indices(scores_BKN, lengths_B, cfg: CateKVConfig):
     r_start = jnp.maximum(chunk_end - recent, init)[:, None, None]
     recent_pos = jnp.broadcast_to(r_start + jnp.arange(n_recent), (B, K, n_recent))
     pos = jnp.concatenate([init_pos, chunk_pos, recent_pos], axis=-1)
-    ok = jnp.concatenate([jnp.ones_like(init_pos, bool), chunk_ok, jnp.ones_like(recent_pos, bool)], axis=-1) & (pos < n)
+    ok = jnp.concatenate([jnp.ones_like(init_pos, bool), chunk_ok, jnp.ones_like(recent_pos, bool)], axis=-1)
+    ok &= pos < n
     big = jnp.iinfo(jnp.int32).max
     pos = jnp.sort(jnp.where(ok, pos, big), axis=-1)  # kept positions first, ascending
     pad = cfg.kept_max - pos.shape[-1]

@@ -14,8 +14,13 @@ from flax import nnx
 from pallasite.inference.cache import init_dense_cache
 from pallasite.inference.cache.catekv import init_catekv_cache, memory_report, pool_offsets
 from pallasite.inference.cache.catekv_mask import calibrate_head_mask, load_head_mask, save_head_mask
-from pallasite.inference.cache.catekv_select import (CateKVConfig, chunk_geometry, classify_heads, kept_indices,
-                                                      middle_attention)
+from pallasite.inference.cache.catekv_select import (
+    CateKVConfig,
+    chunk_geometry,
+    classify_heads,
+    kept_indices,
+    middle_attention,
+)
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
 
@@ -300,12 +305,33 @@ def test_bad_inputs_fail_clearly(tmp_path):
         save_head_mask(str(tmp_path), np.ones((2, 3), bool), CFG)
 
 
-def test_memory_report_matches_ideal_ratio_at_32k():
-    for r, target in ((0.4, 1 / (0.4 + 0.6 * 2048 / 32768)), (0.3, 1 / (0.3 + 0.7 * 2048 / 32768))):
-        rep = memory_report(n_layers=32, n_kv_heads=10, head_dim=128, context=32768, adaptive_ratio=r)
-        assert abs(rep["ideal_ratio"] - target) < 1e-9
-        assert abs(rep["ratio"] / target - 1) < 0.05, rep
-        assert rep["index_bytes"] < 1e-5 * rep["hybrid_bytes"]
+def test_ideal_ratio_matches_the_tokens_the_selection_keeps():
+    """The paper's memory ratio 1/(r + (1−r)·B/N) against the tokens the selection really keeps
+    (``kept_indices`` on real chunk scores at N = 8k / 32k: init + B/C-chunk budget + the recent
+    window and the unchunked tail): within the tail's share of the budget; the packed layout's
+    ratio (``memory_report``, from the cache's array sizes) is at most that, and within 5%."""
+    rng = np.random.default_rng(0)
+    ccfg = CateKVConfig()
+    L, K = 32, 10
+    for n in (8192, 32768):
+        lengths = jnp.asarray([n], jnp.int32)
+        n_slots = (n - ccfg.init_tokens) // ccfg.chunk_size
+        n_mid = int(chunk_geometry(lengths, ccfg)[2][0])  # chunk scores are -inf outside the middle
+        scores = jnp.where(jnp.arange(n_slots) < n_mid, jnp.asarray(rng.random((1, 1, n_slots)), jnp.float32),
+                           -jnp.inf)
+        idx, count = kept_indices(scores, lengths, ccfg)
+        kept = int(count[0])
+        assert len(set(np.asarray(idx[0, 0, :kept]).tolist())) == kept  # distinct positions, all < n
+        assert int(np.asarray(idx[0, 0, :kept]).max()) == n - 1
+        assert ccfg.budget <= kept <= ccfg.budget + ccfg.tail_tokens + ccfg.chunk_size - 1
+        for r in (0.4, 0.3):
+            n_adaptive = int(round(r * L * K))
+            actual = L * K * n / (n_adaptive * n + (L * K - n_adaptive) * kept)
+            rep = memory_report(n_layers=L, n_kv_heads=K, head_dim=128, context=n, adaptive_ratio=r)
+            slack = (1 - r) * (kept - ccfg.budget) / n / (r + (1 - r) * ccfg.budget / n)
+            assert abs(actual / rep["ideal_ratio"] - 1) <= slack + 1e-9, (n, r, actual, rep["ideal_ratio"])
+            assert rep["ratio"] <= actual * (1 + 1e-9) and rep["ratio"] > 0.95 * actual, (n, r, rep, actual)
+            assert rep["index_bytes"] < 1e-5 * rep["hybrid_bytes"]
     # a mask with uneven per-layer counts: the pools hold exactly one slot per head
     uneven = np.zeros((2, 8), bool)
     uneven[0, :6] = True

@@ -11,11 +11,11 @@ from pallasite import sharding
 from pallasite.models import occult
 from pallasite.models.config import ModelConfig
 from pallasite.models.moe import MoEConfig
+from pallasite.models.moe_dispatch import dispatch_plan, expert_parallel_ffn
 from pallasite.models.moe_experts import expert_ffn_rows
 from pallasite.models.moe_routing import prune_routing
-from pallasite.models.moe_dispatch import dispatch_plan, expert_parallel_ffn
 from pallasite.models.occult_accounting import check_ct_bounds, communication_stats, communication_times
-from pallasite.models.transformer import Transformer
+from pallasite.models.transformer import Block, Transformer
 
 E, K, ND, D, F = 16, 4, 8, 8, 12
 
@@ -28,9 +28,14 @@ def _random_routing(seed, B, T, drop=0.2):
     return jnp.asarray(e, jnp.int32), jnp.asarray(w), jnp.asarray(keep)
 
 
-def test_occult_dispatch_equals_standard_and_single_device_for_random_routings():
+@pytest.mark.parametrize("gated", [True, False])
+def test_occult_dispatch_equals_standard_and_single_device_for_random_routings(gated):
+    """Standard and Occult expert-parallel dispatch == the single-device layer (values and
+    gradients), for random routings with drops, gated and non-gated experts. A random expert
+    placement — every expert weight permuted and the routing relabelled as permuted router
+    columns would relabel it — reproduces the unpermuted layer's output and gradients."""
     ks = jax.random.split(jax.random.key(0), 4)
-    wg = jax.random.normal(ks[0], (E, D, F)) * 0.3
+    wg = jax.random.normal(ks[0], (E, D, F)) * 0.3 if gated else None
     wu = jax.random.normal(ks[1], (E, D, F)) * 0.3
     wd = jax.random.normal(ks[2], (E, F, D)) * 0.3
     x = jax.random.normal(ks[3], (8, 3, D))
@@ -45,29 +50,38 @@ def test_occult_dispatch_equals_standard_and_single_device_for_random_routings()
         return lambda x, e, w, keep, wg, wu, wd: expert_parallel_ffn(
             x, e, jnp.where(keep, w, 0), keep, wg, wu, wd, mesh=mesh, mode=mode)
 
-    loss = lambda f: jax.jit(jax.value_and_grad(lambda x, w, wg, e, keep: jnp.sum(jnp.sin(f(x, e, w, keep, wg, wu, wd))),
-                                                argnums=(0, 1, 2)))
+    def loss(f):  # value and gradients w.r.t. x, gate weights, up and down weights
+        return jax.jit(jax.value_and_grad(
+            lambda x, w, wu, wd, wg, e, keep: jnp.sum(jnp.sin(f(x, e, w, keep, wg, wu, wd))), argnums=(0, 1, 2, 3)))
+
     f_single, f_std, f_occ = loss(single), loss(ep("standard")), loss(ep("occult"))
-    for seed in range(3):  # same shapes: no recompilation across routings
+    for seed in range(2):  # same shapes: no recompilation across routings
         e, w, keep = _random_routing(seed, 8, 3)
-        if seed == 2:  # a random expert placement: permuted expert weights + relabelled routing
-            perm = np.random.default_rng(9).permutation(E)
-            inv = np.argsort(perm)
-            e = jnp.asarray(inv)[e]
-            wg_p = wg[perm]
-        else:
-            wg_p = wg
-        (v0, g0) = f_single(x, w, wg_p, e, keep)
+        v0, g0 = f_single(x, w, wu, wd, wg, e, keep)
         for f in (f_std, f_occ):
-            v, g = f(x, w, wg_p, e, keep)
+            v, g = f(x, w, wu, wd, wg, e, keep)
             np.testing.assert_allclose(v, v0, atol=1e-5, rtol=1e-6)
             for a, b in zip(g, g0):
                 np.testing.assert_allclose(a, b, atol=1e-5)
-    # negative control: occult with the gate weights dropped on the expert device is wrong
-    e, w, keep = _random_routing(5, 8, 3)
-    v_bad, _ = f_occ(x, jnp.ones_like(w), wg, e, keep)
-    v_ok, _ = f_single(x, w, wg, e, keep)
-    assert abs(float(v_bad) - float(v_ok)) > 1e-3
+    # a random placement: slot i holds original expert perm[i]; the routing names slots
+    perm = np.random.default_rng(9).permutation(E)
+    slot_of = jnp.asarray(np.argsort(perm))
+    e, w, keep = _random_routing(2, 8, 3)
+    v0, (gx0, gw0, gu0, gd0) = f_single(x, w, wu, wd, wg, e, keep)
+    wg_p = None if wg is None else wg[perm]
+    for f in (f_single, f_std, f_occ):
+        v, (gx, gw, gu, gd) = f(x, w, wu[perm], wd[perm], wg_p, slot_of[e], keep)
+        np.testing.assert_allclose(v, v0, atol=1e-5, rtol=1e-6)
+        np.testing.assert_allclose(gx, gx0, atol=1e-5)
+        np.testing.assert_allclose(gw, gw0, atol=1e-5)
+        np.testing.assert_allclose(gu, gu0[perm], atol=1e-5)  # each slot's gradient is its expert's
+        np.testing.assert_allclose(gd, gd0[perm], atol=1e-5)
+    # negative controls: permuted weights without relabelled routing, and occult with the gate
+    # weights dropped on the expert device, are wrong
+    v_bad, _ = f_std(x, w, wu[perm], wd[perm], wg_p, e, keep)
+    assert abs(float(v_bad) - float(v0)) > 1e-3
+    v_bad, _ = f_occ(x, jnp.ones_like(w), wu, wd, wg, e, keep)
+    assert abs(float(v_bad) - float(v0)) > 1e-3
 
 
 def test_dispatch_rows_match_accounting():
@@ -131,22 +145,111 @@ def _tiny_moe_model(scan=False, **moe):
 _fwd = jax.jit(lambda st, tok, gd: nnx.merge(gd, st)(tok)[0], static_argnums=2)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_placement_permutation_leaves_outputs_unchanged(scan):
-    model = _tiny_moe_model(scan)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non_gated"])
+@pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
+def test_placement_permutation_leaves_outputs_unchanged(scan, gated):
+    """``apply_placement`` permutes every expert weight, the router columns and the router bias
+    together: whole-model logits are unchanged (list and scan layouts, gated and non-gated
+    experts); moving the experts without the router changes them."""
+    model = _tiny_moe_model(scan, gated=gated, router_bias=True)
     gd, st = nnx.split(model)
+    # a non-zero router bias, so its permutation matters too
+    flat = occult._flat(st)
+    for i, p in enumerate(p for p in list(flat) if p[-1] == "router_bias"):
+        flat[p] = flat[p].replace(jax.random.normal(jax.random.key(3 + i), flat[p][...].shape))
+    st = nnx.from_flat_state(list(flat.items()))
     tok = jax.random.randint(jax.random.key(1), (2, 7), 0, 64)
     place = occult.random_placement(2, 8, 4, seed=5)
     st2 = occult.apply_placement(st, place, num_devices=4)
-    w_old = occult._flat(st)
-    moved = [p for p in w_old if p[-1] == "w_gate"][0]
-    assert not np.allclose(w_old[moved][...], occult._flat(st2)[moved][...])  # weights really moved
+    before, after = occult._flat(st), occult._flat(st2)
+    names = {p[-1] for p in before if p[-2] == "ffn"}
+    assert names >= {"w_up", "w_down", "router", "router_bias"} and (("w_gate" in names) == gated)
+    for p in before:
+        if p[-2] == "ffn":  # every per-expert tensor really moved, the same way
+            assert not np.allclose(before[p][...], after[p][...]), p
+    perm = place.array()
+    up = [p for p in before if p[-1] == "w_up"][0]  # scan: [L, E, D, F]; list: layer 0's [E, D, F]
+    for layer in (range(2) if scan else (0,)):
+        b, a = before[up][...], after[up][...]
+        b, a = (b[layer], a[layer]) if scan else (b, a)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[perm[layer]])
     np.testing.assert_allclose(_fwd(st2, tok, gd), _fwd(st, tok, gd), atol=1e-5)
     # negative control: permuting experts without the router columns changes the outputs
-    flat = occult._flat(st)
-    bad = {p: (v.replace(jnp.flip(v[...], axis=-3)) if p[-1] == "w_gate" else v) for p, v in flat.items()}
+    bad = {p: (v.replace(jnp.flip(v[...], axis=-3)) if p[-1] in ("w_up", "w_down", "w_gate") else v)
+           for p, v in flat.items()}
     bad = nnx.from_flat_state(list(bad.items()))
     assert float(jnp.abs(_fwd(bad, tok, gd) - _fwd(st, tok, gd)).max()) > 1e-4
+
+
+def _reference_routing(model, tokens):
+    """Step by step through each layer's modules (no taps): per MoE layer the post-attention-normed
+    input, the router softmax and the top-k experts; scanned layers are sliced one at a time."""
+    cfg = model.cfg
+    if cfg.scan_layers:
+        _, blocks_st = nnx.split(model.layers)
+        layer_gd = nnx.split(nnx.eval_shape(lambda: Block(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))))[0]
+        blocks = [nnx.merge(layer_gd, jax.tree.map(lambda a, i=i: a[i], blocks_st)) for i in range(cfg.n_layers)]
+    else:
+        blocks = list(model.layers)
+    ctx = model.context(tokens)
+    x = ctx.embed_BTD
+    out = {"inputs": [], "probs": [], "experts": []}
+    for i, blk in enumerate(blocks):
+        lctx = ctx.for_layer(i)
+        h = x + blk.attn(blk.input_norm(x), lctx)[0]
+        u = blk.post_attn_norm(h)
+        _, probs, _, e, _ = blk.ffn.routing(u)
+        out["inputs"].append(np.asarray(u).reshape(-1, cfg.d_model))
+        out["probs"].append(np.asarray(probs))
+        out["experts"].append(np.asarray(e).reshape(-1, e.shape[-1]))
+        x = h + blk.ffn(u, lctx)[0]
+    return out
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non_gated"])
+@pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
+def test_profile_routing_equals_step_by_step_reference(scan, gated):
+    """``profile_routing`` (taps inside the model's own blocks) == a layer-by-layer walk through the
+    modules, in both layer layouts and for both expert kinds; two batches are concatenated."""
+    model = _tiny_moe_model(scan, gated=gated)
+    gd, st = nnx.split(model)
+    batches = [jax.random.randint(jax.random.key(s), (2, 6), 0, 64) for s in (7, 8)]
+    prof = occult.profile_routing(gd, st, batches)
+    refs = [_reference_routing(model, b) for b in batches]
+    for key in ("inputs", "probs", "experts"):
+        assert len(prof[key]) == 2
+        for layer in range(2):
+            want = np.concatenate([r[key][layer] for r in refs])
+            if key == "experts":
+                np.testing.assert_array_equal(prof[key][layer], want)
+            else:
+                np.testing.assert_allclose(prof[key][layer], want, atol=1e-6)
+    # the per-layer inputs really differ (layer 1 sees layer 0's output, not the embedding)
+    assert not np.allclose(prof["inputs"][0], prof["inputs"][1])
+
+
+def test_expert_similarity_and_weights_for_both_expert_kinds():
+    """``layer_expert_weights`` and ``expert_similarity`` on gated and non-gated experts: the table
+    is the mean cosine similarity of the experts' outputs, computed here expert by expert."""
+    x = np.asarray(jax.random.normal(jax.random.key(5), (32, 16)))
+    for gated in (True, False):
+        _, st = nnx.split(_tiny_moe_model(gated=gated))
+        weights = occult.layer_expert_weights(st)
+        assert len(weights) == 2 and (weights[0][0] is None) == (not gated)
+        assert occult.moe_layer_count(st) == (2, 8, False)
+        wg, wu, wd = weights[1]
+        sim = occult.expert_similarity(wg, wu, wd, x)
+        outs = []
+        for e in range(8):
+            u = x @ np.asarray(wu[e])
+            h = np.asarray(jax.nn.silu(u)) if wg is None else np.asarray(jax.nn.silu(x @ np.asarray(wg[e]))) * u
+            y = h @ np.asarray(wd[e])
+            outs.append(y / (np.linalg.norm(y, axis=-1, keepdims=True) + 1e-9))
+        want = np.einsum("ind,jnd->ij", np.stack(outs), np.stack(outs)) / len(x)
+        np.testing.assert_allclose(sim, want, atol=1e-5)
+        np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-5)
+    _, st_scan = nnx.split(_tiny_moe_model(scan=True, gated=False))
+    assert occult.moe_layer_count(st_scan) == (2, 8, True)
 
 
 def test_bad_placement_is_rejected():
