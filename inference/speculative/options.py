@@ -1,0 +1,83 @@
+"""Options of the ``speculative`` decode strategy (``GenerationConfig.strategy_config``).
+
+A leaf module (it imports nothing of the package) so that ``inference.config`` can validate
+``GenerationConfig.method`` without an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+METHODS = ("auto", "sd", "slem", "tli", "slrs")
+SCHEDULES = ("constant", "heuristic")
+
+
+def check_method(method: Any, *, field: str = "GenerationConfig.method") -> str:
+    if method not in METHODS:
+        raise ValueError(f"{field}={method!r} is not a speculative method; expected one of {', '.join(METHODS)} "
+                         "(auto: sd for a shared vocabulary, slem when greedy, tli when sampling)")
+    return method
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Knobs of speculative decoding (defaults: transformers' where they exist, see docs).
+
+    num_draft_tokens   K, drafter tokens per round (the start value of the heuristic schedule)
+    max_draft_tokens   static cap of K (compiled draft / verify width); None: num_draft_tokens
+    schedule           "constant" | "heuristic" (+2 after a fully accepted round, -1 otherwise, >= 1)
+    target_lookbehind  SLEM: target tokens re-encoded with the draft text (alignment window)
+    drafter_lookbehind SLEM: drafter tokens re-encoded with the target's new text
+    max_target_draft   SLEM: most target tokens one round verifies; None: max_draft_tokens
+    max_catch_up       SLEM: most drafter tokens fed in one catch-up call (the rest next round)
+    drafter_len_ratio  drafter tokens per target token the drafter's buffers are sized for
+                       (prompt buffer and cache; a row that would overflow stops drafting)
+    drafter_kv_cache   the drafter's cache kind (None: the drafter model's default) + its options
+    """
+
+    num_draft_tokens: int = 5
+    max_draft_tokens: Optional[int] = None
+    schedule: str = "constant"
+    target_lookbehind: int = 10
+    drafter_lookbehind: int = 10
+    max_target_draft: Optional[int] = None
+    max_catch_up: int = 24
+    drafter_len_ratio: float = 2.0
+    drafter_kv_cache: Optional[str] = None
+    drafter_kv_cache_config: Any = None
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"SpeculativeConfig: {msg}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.num_draft_tokens) and self.num_draft_tokens >= 1,
+             f"num_draft_tokens must be an integer >= 1; got {self.num_draft_tokens!r}")
+        if self.max_draft_tokens is not None:
+            need(is_int(self.max_draft_tokens) and self.max_draft_tokens >= self.num_draft_tokens,
+                 f"max_draft_tokens must be an integer >= num_draft_tokens ({self.num_draft_tokens}); "
+                 f"got {self.max_draft_tokens!r}")
+        need(self.schedule in SCHEDULES, f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
+        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up"):
+            v = getattr(self, name)
+            need(is_int(v) and v >= 1, f"{name} must be an integer >= 1; got {v!r}")
+        if self.max_target_draft is not None:
+            need(is_int(self.max_target_draft) and self.max_target_draft >= 1,
+                 f"max_target_draft must be an integer >= 1 or None; got {self.max_target_draft!r}")
+        need(isinstance(self.drafter_len_ratio, (int, float)) and self.drafter_len_ratio > 0,
+             f"drafter_len_ratio must be > 0; got {self.drafter_len_ratio!r}")
+
+    @property
+    def k_max(self) -> int:
+        return self.max_draft_tokens or self.num_draft_tokens
+
+    @property
+    def target_width(self) -> int:
+        return self.max_target_draft or self.k_max
+
+
+__all__ = ["METHODS", "SCHEDULES", "SpeculativeConfig", "check_method"]

@@ -1,0 +1,479 @@
+"""The ``speculative`` decode strategy: lossless speculative decoding inside the engine's one
+compiled loop, batched (every row accepts its own number of tokens), also across vocabularies.
+
+Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
+Heterogeneous Vocabularies" (ICML 2025). A round: feed the drafter what it has not seen
+(catch-up), draft k <= K tokens, verify them with ONE target call of K+1 tokens, emit the accepted
+prefix plus one target token, roll both caches back per row (length reset). Methods:
+``sd`` shared vocabulary, Leviathan accept / residual / bonus; ``tli`` (Alg. 4) the drafter samples
+from q' = q renormalised on V_T ∩ V_D (its logits masked to the intersection, as transformers'
+pruned LM head), verified like sd with the residual over all of V_T; ``slem`` (Alg. 2) the draft's
+text is re-tokenised for the target on the host (``host.py``) and the target's own draws are matched
+exactly (greedy and sampling); ``slrs`` (Alg. 3) is refused (not built, see docs). ``auto`` =
+sd for a shared vocabulary, else slem when greedy and tli when sampling (transformers' routing).
+Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap.
+Deviations: K defaults to 5 (transformers: 20, schedule constant); a row whose drafter buffers
+would overflow stops drafting (it decodes one target token per round); no logits processors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pallasite.inference.sampling import SamplingParams, SamplingSpec
+from pallasite.inference.speculative import drafter as D
+from pallasite.inference.speculative import probs as P
+from pallasite.inference.speculative.host import Row, SlemSession, get_session
+from pallasite.inference.speculative.options import SpeculativeConfig, check_method
+from pallasite.inference.speculative.vocab import PairMap, check_drafter_can_encode, pair_map
+from pallasite.ops.common import round_up
+from pallasite.registry import DECODE_STRATEGY
+
+FAULTS = ("", "no_renorm", "raw_q", "residual_intersection")  # deliberate breaks for negative controls
+
+
+@struct.dataclass
+class SpecStats:
+    target_calls: jax.Array  # int32 scalar: target forward calls, prefill included
+    drafter_calls: jax.Array  # int32 scalar
+    rounds_B: jax.Array  # int32 [B]: verification rounds the row took part in
+    drafted_B: jax.Array  # int32 [B]: draft tokens proposed (target tokens)
+    accepted_B: jax.Array  # int32 [B]: draft tokens accepted
+
+
+@struct.dataclass
+class SpecState:
+    """``DecodeState.extra`` of the speculative strategy."""
+
+    cache: Any  # the drafter's KV cache
+    dlen_B: jax.Array  # drafter positions that hold verified context (the catch-up is fed from here)
+    pend_BM: jax.Array  # drafter tokens to feed next round
+    n_pend_B: jax.Array
+    k_B: jax.Array  # current draft length
+    stats: SpecStats
+    d2t_V: jax.Array  # [V_D] target id of each drafter token (-1: outside the intersection)
+    t2d_VL: jax.Array  # [V_T, L] drafter tokens of each target token (token-level methods)
+    t2d_len_V: jax.Array  # [V_T]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecArgs:
+    sampling: SamplingParams
+    drafter_state: Any
+    d2t: jax.Array  # [V_D] int32 target id of each drafter token (-1: none)
+    t2d: jax.Array  # [V_T, L] int32 drafter tokens of each target token
+    t2d_len: jax.Array  # [V_T] int32
+    session: jax.Array  # int32 scalar, the SLEM host session (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStrategy:
+    method: str  # sd | tli | slem (resolved)
+    drafter_graphdef: Any
+    drafter_config: Any
+    drafter_cache_kind: str
+    drafter_cache_config: Any
+    spec: SamplingSpec = SamplingSpec()
+    k_max: int = 5
+    k_init: int = 5
+    schedule: str = "constant"
+    width: int = 5  # SLEM: target tokens per verification
+    catch_up: int = 24  # SLEM: drafter tokens per catch-up call
+    len_ratio: float = 2.0
+    pair: Optional[PairMap] = None
+    drafter_path: Optional[str] = None
+    target_mask: Any = None  # hook: (ctx, s, tokens_BK) -> allowed [B, K+1, V] after each prefix
+    fault: str = ""
+
+    # ------------------------------------------------------------------ shapes
+    def _pend_width(self, args) -> int:
+        if self.method == "slem":
+            return self.catch_up
+        return 1 + int(args.t2d.shape[1])  # an unfed draft + one target token's drafter tokens
+
+    def _prompt_width(self, T: int) -> int:
+        if self.method == "sd":
+            return T
+        return round_up(int(math.ceil(T * self.len_ratio)) + 1, 16)
+
+    def _drafter_capacity(self, Tp: int, N: int, M: int) -> int:
+        return round_up(Tp + int(math.ceil(N * self.len_ratio)) + M + self.k_max + 2, 64)
+
+    # ------------------------------------------------------------------ target side
+    def _target_probs(self, ctx, s, logits_BTV, tokens_BK):
+        """Post-warper target distributions [B, T, V] after the hook's masks (constraints)."""
+        if self.target_mask is not None:
+            allowed = self.target_mask(ctx, s, tokens_BK)
+            logits_BTV = jnp.where(allowed, logits_BTV, -jnp.inf)
+        return P.warped_probs(logits_BTV, ctx.args.sampling, self.spec)
+
+    def _tables(self, args, V_D: int, V_T: int):
+        """The mapping tables padded / cut to the models' logit widths (which may exceed the
+        tokenizers' sizes): drafter ids that map past V_T and target tokens spelled with drafter
+        ids past V_D are dropped."""
+        d2t = self._d2t(args, V_D, V_T)
+        t2d, n = self._t2d(args, V_T, V_D)
+        return d2t, t2d, n
+
+    def _d2t(self, args, V_D: int, V_T: int):
+        d2t = args.d2t
+        if d2t.shape[0] < V_D:
+            d2t = jnp.pad(d2t, (0, V_D - d2t.shape[0]), constant_values=-1)
+        d2t = d2t[:V_D]
+        return jnp.where(d2t < V_T, d2t, -1)
+
+    def _t2d(self, args, V_T: int, V_D: int):
+        t2d, n = args.t2d, args.t2d_len
+        if t2d.shape[0] < V_T:
+            t2d = jnp.pad(t2d, ((0, V_T - t2d.shape[0]), (0, 0)), constant_values=-1)
+            n = jnp.pad(n, (0, V_T - n.shape[0]))
+        t2d, n = t2d[:V_T], n[:V_T]
+        ok = jnp.all((t2d < V_D) | (jnp.arange(t2d.shape[1])[None, :] >= n[:, None]), axis=-1)
+        return t2d, jnp.where(ok, n, 0)
+
+    # ------------------------------------------------------------------ init
+    def init(self, ctx, s, prefill_logits_BV):
+        B, V_T = prefill_logits_BV.shape
+        N = s.out_BN.shape[1]
+        key, k_first = jax.random.split(s.key)
+        p0 = self._target_probs(ctx, s, prefill_logits_BV[:, None], jnp.zeros((B, 0), jnp.int32))
+        y0 = P.draw(k_first, p0[:, 0])
+        s = ctx.emit(s.replace(key=key, cache=s.cache.for_appending()), y0[:, None], jnp.ones_like(y0))
+
+        cfg = self.drafter_config
+        T = ctx.prompt_BT.shape[1]
+        Tp = self._prompt_width(T)
+        M = self._pend_width(ctx.args)
+        Sd = self._drafter_capacity(Tp, N, M)
+        target_len = s.cache.capacity
+        if cfg.max_seq_len < target_len:
+            raise ValueError(f"the drafter's context (max_seq_len={cfg.max_seq_len}) is shorter than the target's "
+                             f"KV cache ({target_len} positions): it cannot follow this generation; use a drafter "
+                             "with a longer context or a smaller cache_len / max_new_tokens")
+        if self.method == "sd":
+            d_prompt = jnp.where(ctx.prompt_BT < cfg.vocab_size, ctx.prompt_BT, 0)
+            d_len = s.prompt_len_B
+        else:
+            d_prompt, d_len = self._host_prompts(ctx, s, Tp, Sd)
+        dcache = D.create_cache(cfg, self.drafter_cache_kind, self.drafter_cache_config, B, Sd, self.drafter_path)
+        dcache = D.prefill(self.drafter_graphdef, ctx.args.drafter_state, dcache, d_prompt, d_len)
+        zeros = jnp.zeros((B,), jnp.int32)
+        stats = SpecStats(jnp.int32(1), jnp.int32(0), zeros, zeros, zeros)
+        d2t, t2d, t2d_len = self._tables(ctx.args, cfg.vocab_size, V_T)
+        extra = SpecState(dcache, d_len, jnp.zeros((B, M), jnp.int32), zeros,
+                          jnp.full((B,), self.k_init, jnp.int32), stats, d2t, t2d, t2d_len)
+        if self.method != "slem":  # (SLEM: the host says what to feed at the start of each round)
+            pend, n_pend = self._pending_after(extra, y0, jnp.zeros((B, 1), jnp.int32), zeros, 0, M)
+            prev = D.take_positions(d_prompt, jnp.maximum(d_len - 1, 0))
+            d_len, pend, n_pend = _refeed_if_empty(d_len, pend, n_pend, prev)
+            extra = extra.replace(dlen_B=d_len, pend_BM=pend, n_pend_B=n_pend)
+        return s.replace(extra=extra)
+
+    def _host_prompts(self, ctx, s, Tp: int, Sd: int):
+        B = ctx.prompt_BT.shape[0]
+        shapes = (jax.ShapeDtypeStruct((B, Tp), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+        if self.method == "slem":
+            fn = functools.partial(_cb_slem_init, width=Tp, capacity=Sd)
+            return jax.pure_callback(fn, shapes, ctx.args.session, ctx.prompt_BT, s.prompt_len_B)
+        fn = functools.partial(_cb_encode_prompts, pair=self.pair, width=Tp)
+        return jax.pure_callback(fn, shapes, ctx.prompt_BT, s.prompt_len_B)
+
+    # ------------------------------------------------------------------ drafting
+    def _catch_up(self, ctx, sp):
+        """Feed the pending tokens; -> (cache, length after them, first draft logits [B, V_D])."""
+        M = sp.pend_BM.shape[1]
+        pos = sp.dlen_B[:, None] + jnp.arange(M, dtype=jnp.int32)[None, :]
+        logits, cache = D.call(self.drafter_graphdef, ctx.args.drafter_state, sp.cache, sp.pend_BM, pos)
+        last = jnp.maximum(sp.n_pend_B - 1, 0)
+        return cache, sp.dlen_B + sp.n_pend_B, D.take_positions(logits, last)
+
+    def _draft(self, ctx, cache, dl_B, logits_BV, J, key, allowed_V=None, keep_q: bool = True):
+        """Draft J tokens per row (static buffers of K): (cache, drafts [B, K], verification q
+        [B, K, V_D] or None). Drafts 1..J-1 are fed to the drafter at dl, dl+1, ..."""
+        B, V_D = logits_BV.shape
+        K = self.k_max
+        args = ctx.args
+
+        def dist(logits):
+            masked = logits if allowed_V is None else jnp.where(allowed_V[None, :], logits, -jnp.inf)
+            q = P.warped_probs(masked[:, None], args.sampling, self.spec)[:, 0]
+            if self.fault == "no_renorm":  # q on the intersection without renormalising it
+                ver = P.warped_probs(logits[:, None], args.sampling, self.spec)[:, 0] * allowed_V[None, :]
+            elif self.fault == "raw_q":  # ratio from the raw logits, draft from the processed ones
+                ver = P.warped_probs(masked[:, None], args.sampling, self.spec, filters=False)[:, 0]
+            else:
+                ver = q
+            return q, ver
+
+        def body(c):
+            j, cache, logits, drafts, qv, key = c
+            key, sub = jax.random.split(key)
+            q, ver = dist(logits)
+            d = P.draw(sub, q)
+            drafts = drafts.at[:, j].set(d)
+            if keep_q:
+                qv = qv.at[:, j].set(ver)
+
+            def feed(cl):
+                lg, cache = D.call(self.drafter_graphdef, args.drafter_state, cl[0], d[:, None], (dl_B + j)[:, None])
+                return cache, lg[:, 0]
+
+            cache, logits = jax.lax.cond(j + 1 < J, feed, lambda cl: cl, (cache, logits))
+            return j + 1, cache, logits, drafts, qv, key
+
+        qv0 = jnp.zeros((B, K, V_D), jnp.float32) if keep_q else jnp.zeros((B, K, 1), jnp.float32)
+        init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key)
+        _, cache, _, drafts, qv, _ = jax.lax.while_loop(lambda c: c[0] < J, body, init)
+        return cache, drafts, (qv if keep_q else None)
+
+    def _round_k(self, s, sp, Sd: int):
+        """Per-row draft length this round: 0 for finished rows and rows whose drafter is full."""
+        M = sp.pend_BM.shape[1]
+        room = sp.dlen_B + M + self.k_max + 1 <= Sd
+        return jnp.where(~s.done_B & room, sp.k_B, 0)
+
+    def _pending_after(self, sp, y_B, drafts_BK, n_B, fed, M):
+        """Token-level methods: what the drafter must see next — the last accepted draft when it
+        was never fed (every fed draft and one more accepted), then the target's own token."""
+        ids, n_ids = sp.t2d_VL[y_B], sp.t2d_len_V[y_B]
+        unfed = n_B > fed
+        last_draft = D.take_positions(drafts_BK, jnp.maximum(n_B - 1, 0))
+        with_draft = jnp.concatenate([last_draft[:, None], ids], axis=1)
+        without = jnp.concatenate([ids, jnp.zeros_like(ids[:, :1])], axis=1)
+        pend = jnp.maximum(jnp.where(unfed[:, None], with_draft, without), 0)[:, :M]
+        return pend, jnp.minimum(unfed.astype(jnp.int32) + n_ids, M)
+
+    def _schedule(self, k_B, n_B, full_B, active_B):
+        if self.schedule == "constant":
+            return k_B
+        new = jnp.where(full_B, jnp.minimum(k_B + 2, self.k_max), jnp.maximum(k_B - 1, 1))
+        return jnp.where(active_B, new, k_B)
+
+    def _stats(self, st: SpecStats, active_B, drafter_calls, drafted_B, accepted_B) -> SpecStats:
+        a = active_B.astype(jnp.int32)
+        return SpecStats(st.target_calls + 1, st.drafter_calls + drafter_calls, st.rounds_B + a,
+                         st.drafted_B + a * drafted_B, st.accepted_B + a * accepted_B)
+
+    # ------------------------------------------------------------------ one round
+    def step(self, ctx, s):
+        if self.method == "slem":
+            return self._step_slem(ctx, s)
+        return self._step_token(ctx, s)
+
+    def _verify_logits(self, ctx, s, cand_BK):
+        tokens = jnp.concatenate([s.last_tokens_B[:, None], cand_BK], axis=1)
+        positions = s.next_positions_B[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        logits, cache = ctx.model(s.cache, tokens, positions)
+        return logits, cache
+
+    def _finish(self, ctx, s, cache, tokens_BK1, n_new_B):
+        s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
+        return s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
+
+    def _step_token(self, ctx, s):
+        sp = s.extra
+        key, k_draft, k_acc, k_res = jax.random.split(s.key, 4)
+        active = ~s.done_B
+        k_B = self._round_k(s, sp, sp.cache.capacity)
+        J = jnp.max(k_B)
+        dcache, dl, logits0 = self._catch_up(ctx, sp)
+        d2t = sp.d2t_V
+        dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0)
+        cand = jnp.take(jnp.maximum(d2t, 0), drafts)
+        logits, cache = self._verify_logits(ctx, s, cand)
+        B, K, VT = cand.shape[0], self.k_max, logits.shape[-1]
+        p = self._target_probs(ctx, s, logits, cand)  # [B, K+1, V_T]
+        p_tok = jnp.take_along_axis(p[:, :K], cand[..., None], axis=-1)[..., 0]
+        q_tok = jnp.take_along_axis(qv, drafts[..., None], axis=-1)[..., 0]
+        n = P.leviathan_accept(k_acc, p_tok, q_tok, k_B)
+        rejected = n < k_B
+        q_at = D.take_positions(qv, jnp.minimum(n, K - 1))  # [B, V_D], the rejected draft's q
+        to_T = jnp.where(d2t >= 0, d2t, VT)
+        qT = jnp.zeros((B, VT), jnp.float32).at[:, to_T].add(q_at, mode="drop")
+        p_at = D.take_positions(p, n)
+        if self.fault == "residual_intersection":  # resample only among tokens the drafter has
+            image = jnp.zeros((VT,), bool).at[to_T].set(True, mode="drop")
+            p_at = jnp.where(rejected[:, None] & ~image[None, :], 0.0, p_at)
+        y = P.residual_or_bonus(k_res, p_at, qT, rejected)
+        out = jnp.concatenate([cand, jnp.zeros_like(cand[:, :1])], axis=1).at[jnp.arange(B), n].set(y)
+        s = self._finish(ctx, s.replace(key=key), cache, out, n + 1)
+        # the drafter: its verified context grows by the accepted drafts it was fed, then the rest
+        fed = jnp.maximum(J - 1, 0)
+        kept = jnp.minimum(n, fed)
+        M = sp.pend_BM.shape[1]
+        pend, n_pend = self._pending_after(sp, y, drafts, n, fed, M)
+        prev = jnp.where(kept > 0, D.take_positions(drafts, jnp.maximum(kept - 1, 0)),
+                         D.take_positions(sp.pend_BM, jnp.maximum(sp.n_pend_B - 1, 0)))
+        new_dl, pend, n_pend = _refeed_if_empty(dl + kept, pend, n_pend, prev)
+        dcache = dcache.rollback(new_dl)
+        keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+        stats = self._stats(sp.stats, active, J + 1, k_B, n)
+        return s.replace(extra=sp.replace(
+            cache=dcache, dlen_B=keep(new_dl, sp.dlen_B), pend_BM=keep(pend, sp.pend_BM),
+            n_pend_B=keep(n_pend, sp.n_pend_B), k_B=self._schedule(sp.k_B, n, n == k_B, active), stats=stats))
+
+    # ------------------------------------------------------------------ SLEM
+    def _step_slem(self, ctx, s):
+        sp = s.extra
+        key, k_draft, k_tgt = jax.random.split(s.key, 3)
+        active = ~s.done_B
+        B, M = sp.pend_BM.shape
+        shapes = (jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, M), jnp.int32),
+                  jax.ShapeDtypeStruct((B,), jnp.int32))
+        dlen, pend, n_pend = jax.pure_callback(functools.partial(_cb_slem_resync, M=M), shapes, ctx.args.session,
+                                               s.out_BN, s.n_out_B, s.done_B)
+        sp = sp.replace(cache=sp.cache.rollback(dlen), dlen_B=dlen, pend_BM=pend, n_pend_B=n_pend)
+        k_B = self._round_k(s, sp, sp.cache.capacity)
+        J = jnp.max(k_B)
+        dcache, dl, logits0 = self._catch_up(ctx, sp)
+        dcache, drafts, _ = self._draft(ctx, dcache, dl, logits0, J, k_draft, None, keep_q=False)
+        W = self.width
+        shapes = (jax.ShapeDtypeStruct((B, W), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+        cand, n_cand = jax.pure_callback(_cb_slem_propose, shapes, ctx.args.session, drafts, k_B,
+                                         jnp.maximum(J - 1, 0), s.done_B)
+        logits, cache = self._verify_logits(ctx, s, cand)
+        p = self._target_probs(ctx, s, logits, cand)  # [B, W+1, V]
+        Bp, T1, V = p.shape
+        drawn = P.draw(k_tgt, p.reshape(Bp * T1, V)).reshape(Bp, T1)
+        n = P.exact_match(cand, n_cand, drawn)
+        s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
+        stats = self._stats(sp.stats, active, J + 1, n_cand, n)
+        extra = sp.replace(cache=dcache, dlen_B=dl, k_B=self._schedule(sp.k_B, n, n == n_cand, active), stats=stats)
+        return s.replace(extra=extra)
+
+
+def _refeed_if_empty(dlen_B, pend_BM, n_pend_B, prev_B):
+    """A round must feed the drafter at least one token (its logits are the first draft's): when
+    nothing is pending, step back one position and feed the last verified token ``prev`` again."""
+    empty = n_pend_B == 0
+    pend = pend_BM.at[:, 0].set(jnp.where(empty, prev_B, pend_BM[:, 0]))
+    return jnp.where(empty, jnp.maximum(dlen_B - 1, 0), dlen_B), pend, jnp.maximum(n_pend_B, 1)
+
+
+# ----------------------------------------------------------------------------- host callbacks
+def _cb_encode_prompts(prompt_BT, len_B, *, pair: PairMap, width: int):
+    B = prompt_BT.shape[0]
+    out = np.zeros((B, width), np.int32)
+    lens = np.zeros(B, np.int32)
+    anchor = [int(pair.drafter.bos_id)] if pair.drafter.adds_bos else []
+    for b in range(B):
+        ids = Row(pair, np.asarray(prompt_BT[b, : int(len_B[b])]).tolist(), anchor, 0).d_ids[-width:]
+        out[b, : len(ids)] = ids
+        lens[b] = len(ids)
+    return out, lens
+
+
+def _cb_slem_init(sid, prompt_BT, len_B, *, width: int, capacity: int):
+    return get_session(sid).init_rows(np.asarray(prompt_BT), np.asarray(len_B), width, capacity)
+
+
+def _cb_slem_resync(sid, out_BN, n_out_B, done_B, *, M: int):
+    return get_session(sid).resync(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), M)
+
+
+def _cb_slem_propose(sid, drafts_BK, k_B, fed, done_B):
+    return get_session(sid).propose(np.asarray(drafts_BK), np.asarray(k_B), int(fed), np.asarray(done_B))
+
+
+# ----------------------------------------------------------------------------- building
+def _same_vocab(target_tok, drafter_tok) -> bool:
+    if target_tok is None or drafter_tok is None:
+        return target_tok is drafter_tok
+    if target_tok is drafter_tok:
+        return True
+    return pair_map(target_tok, drafter_tok).same_vocab
+
+
+def resolve_method(method: str, drafter: D.Drafter, greedy: bool) -> str:
+    check_method(method)
+    t, d = drafter.target_tokenizer, drafter.tokenizer
+    if method == "auto":
+        if _same_vocab(t, d):
+            return "sd"
+        return "slem" if greedy else "tli"
+    if method == "sd" and not _same_vocab(t, d):
+        pm = pair_map(t, d) if (t is not None and d is not None) else None
+        detail = "one model has no tokenizer" if pm is None else (
+            f"target {len(pm.target)} tokens, drafter {len(pm.drafter)}, {pm.intersection} shared strings")
+        raise ValueError(f"method='sd' needs the drafter and the target to share one vocabulary; theirs differ "
+                         f"({detail}); use method='slem', 'tli' or 'auto'")
+    if method != "sd" and (t is None or d is None):
+        which = "target" if t is None else "drafter"
+        raise ValueError(f"method={method!r} works on text: the {which} has no tokenizer (pallasite.generate binds "
+                         "the target's; with generate_ids pass speculative.Drafter(..., target_tokenizer=...))")
+    return method
+
+
+def build_speculative(gen, n_prompts: int):
+    """(SpeculativeStrategy, SpecArgs) for a ``GenerationConfig`` with a ``drafter``."""
+    cfg: SpeculativeConfig = gen.strategy_config or SpeculativeConfig()
+    if gen.drafter is None:
+        raise ValueError("strategy='speculative' needs a drafter: GenerationConfig(drafter=<a pallasite.Model>)")
+    if gen.logits_processors:
+        raise ValueError("speculative decoding does not take logits_processors (they see one position at a "
+                         "time); constraints apply through the strategy's target_mask hook")
+    drafter = D.Drafter.of(gen.drafter)
+    sampling, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
+    method = resolve_method(gen.method or "auto", drafter, spec.greedy_only)
+    kind, kind_cfg = drafter.cache_kind(cfg.drafter_kv_cache, cfg.drafter_kv_cache_config)
+    k_init = cfg.num_draft_tokens
+    pair, session = None, 0
+    if method == "sd":
+        V = drafter.config.vocab_size
+        d2t = np.arange(V, dtype=np.int32)
+        t2d, t2d_len = np.arange(V, dtype=np.int32)[:, None], np.ones(V, np.int32)
+    else:
+        pair = pair_map(drafter.target_tokenizer, drafter.tokenizer)
+        check_drafter_can_encode(pair)
+        d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
+        if method == "tli" and pair.intersection == 0:
+            raise ValueError("method='tli': the two vocabularies share no token string; use method='slem'")
+    if method == "slrs":
+        raise ValueError(
+            "method='slrs' (string-level rejection sampling, Timor et al. Alg. 3) is not implemented: psi needs "
+            "an enumeration of drafter strings that is practical only for byte/char drafters and is not built "
+            "yet; use method='slem' (greedy or sampling, lossless for any pair) or 'tli' (sampling)")
+    if method == "slem":
+        stops = gen.stop_tokens if gen.stop_tokens else pair.target.eos_ids
+        sess = SlemSession(pair, target_lookbehind=cfg.target_lookbehind, drafter_lookbehind=cfg.drafter_lookbehind,
+                           max_feed=cfg.max_catch_up, width=cfg.target_width, stops=tuple(stops or ()))
+        session = sess.id
+    strategy = SpeculativeStrategy(
+        method=method, drafter_graphdef=drafter.graphdef, drafter_config=drafter.config,
+        drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
+        schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
+        len_ratio=float(cfg.drafter_len_ratio),
+        pair=pair, drafter_path=drafter.path)
+    args = SpecArgs(sampling=sampling, drafter_state=drafter.state, d2t=jnp.asarray(d2t, jnp.int32),
+                    t2d=jnp.asarray(t2d, jnp.int32), t2d_len=jnp.asarray(t2d_len, jnp.int32),
+                    session=jnp.int32(session))
+    return strategy, args
+
+
+DECODE_STRATEGY.register("speculative", build_speculative, config=SpeculativeConfig,
+                         aliases={"k": "num_draft_tokens"})
+
+
+def stats_of(s) -> dict:
+    """Counters of a finished speculative ``DecodeState`` as plain numbers."""
+    st = jax.device_get(s.extra.stats)
+    n_out = np.asarray(jax.device_get(s.n_out_B))
+    drafted, accepted = int(np.sum(st.drafted_B)), int(np.sum(st.accepted_B))
+    calls = int(st.target_calls)
+    return {"target_calls": calls, "drafter_calls": int(st.drafter_calls), "tokens": int(n_out.sum()),
+            "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / max(drafted, 1),
+            "mean_accepted_length": float(n_out.sum() / max(int(np.sum(st.rounds_B)) + len(n_out), 1)),
+            "target_calls_per_token": calls / max(float(n_out.max(initial=1)), 1.0)}
+
+
+__all__ = ["SpeculativeStrategy", "SpecState", "SpecStats", "SpecArgs", "build_speculative", "resolve_method",
+           "stats_of", "FAULTS"]
