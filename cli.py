@@ -6,6 +6,7 @@
     pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
     pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
+    pallasite compile  --config configs/llama3_8b.py --topology v5p:4x4x4 [--step decode]   (AOT memory check)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
@@ -77,12 +78,16 @@ def _literal(text: str):
 
 
 def _cmd_train(args, overrides):
+    from pallasite.training import distributed
     from pallasite.training.config import load_config
     from pallasite.training.loop import train
 
+    # before any jax backend use: joins a multi-process run (flags, JAX_* env or the TPU slice)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     config = load_config(args.config, overrides=overrides)
-    result = train(config, args.workdir)
-    print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
+    result = train(config, args.workdir, checkpoint_dir=args.checkpoint_dir)
+    if distributed.is_main():
+        print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
 
 
 def _load_for_inference(args):
@@ -188,6 +193,10 @@ def main(argv=None):
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, overrides = _split_config_overrides(argv)
+    if argv[:1] == ["compile"]:  # its own parser (training/compile_check.py); exit status = fits
+        from pallasite.training import compile_check
+
+        raise SystemExit(compile_check.main(argv[1:], overrides))
     argv, kind_options = _split_kind_options(argv, KV_CACHE.names())
     parser = argparse.ArgumentParser(prog="pallasite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,7 +205,13 @@ def main(argv=None):
     p = sub.add_parser("train", help="train from a config file")
     p.add_argument("--config", required=True, help="config file with get_config(arg); 'file.py:arg' passes arg")
     p.add_argument("--workdir", required=True)
+    p.add_argument("--checkpoint-dir", default=None, help="orbax checkpoints (default WORKDIR/checkpoints; gs:// ok)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (Cloud TPU slices need none: auto-detected)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
     p.set_defaults(fn=_cmd_train)
+    sub.add_parser("compile", help="AOT-compile the train/decode step for a TPU topology: per-chip memory, fits")
 
     for name, fn, help_ in (("generate", _cmd_generate, "generate text"), ("eval", _cmd_eval, "perplexity"),
                             ("convert", _cmd_convert, "convert between formats"),

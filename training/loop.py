@@ -13,6 +13,11 @@ Guarantees:
   checkpoint boundary (not every step: that would serialise the device); the first non-finite
   value raises ``FloatingPointError`` naming the step. A checkpoint is only ever written after
   every step up to it has been checked, so the last checkpoint is always a good state.
+* **Multi-process.** Launched as several processes (``training/distributed.py``), every process
+  runs the same steps on one global mesh, feeds only the rows of each batch its devices hold,
+  and saves/restores the orbax checkpoint together; process 0 alone logs and writes metrics,
+  TensorBoard, ``config.json``, ``result.json``, the tokenizer and the HF export.
+  ``checkpoint_dir`` may be a ``gs://`` path (orbax writes it directly).
 * Everything runs under ``jax.set_mesh(mesh)`` with the mesh of ``config.mesh`` and the rule
   table of ``config.sharding_rules`` (MoE layers find the mesh there for ``shard_map``).
 
@@ -40,6 +45,7 @@ from pallasite.models.tokenizer import load_tokenizer, train_bpe
 from pallasite.ops.common import round_up
 from pallasite.registry import LOSS
 from pallasite.training import data as data_lib
+from pallasite.training import distributed as dist
 from pallasite.training import step as step_lib
 from pallasite.training.checkpointing import Checkpointer
 from pallasite.training.config import ConfigDict, to_json_dict
@@ -49,7 +55,25 @@ from pallasite.training.optim import make_optimizer
 StepHook = Callable[[int, dict], Optional[dict]]
 
 
+class _NoMetrics:
+    """The metrics sink of processes other than 0."""
+
+    def truncate_after(self, step):
+        pass
+
+    def write(self, step, metrics, *, kind="train"):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
 def _log(msg: str) -> None:
+    if not dist.is_main():
+        return
     try:
         from tqdm import tqdm
 
@@ -64,6 +88,18 @@ def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
     if config.tokenizer.path:
         return load_tokenizer(config.tokenizer.path)
     tok_dir = os.path.join(workdir, "tokenizer")
+    # Process 0 loads or trains+saves it; then the others read it (a workdir that is not shared
+    # between hosts: they train the same deterministic BPE themselves, without saving).
+    tok = None
+    if dist.is_main():
+        tok = _load_or_train_tokenizer(config, tok_dir, train_docs, save=True)
+    dist.barrier("tokenizer")
+    if tok is None:
+        tok = _load_or_train_tokenizer(config, tok_dir, train_docs, save=False)
+    return tok
+
+
+def _load_or_train_tokenizer(config: ConfigDict, tok_dir: str, train_docs, *, save: bool):
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         return load_tokenizer(tok_dir)
     budget = config.tokenizer.train_max_chars
@@ -77,7 +113,7 @@ def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
             used += len(d.text)
 
     t0 = time.time()
-    tok = train_bpe(texts(), config.tokenizer.vocab_size, save_to=tok_dir)
+    tok = train_bpe(texts(), config.tokenizer.vocab_size, save_to=tok_dir if save else None)
     _log(f"trained byte-level BPE: vocab {len(tok)} in {time.time() - t0:.1f}s -> {tok_dir}")
     return tok
 
@@ -110,7 +146,9 @@ def _check_resume_config(saved: dict, current: dict) -> None:
 def evaluate(eval_fn, state: dict, batches, batch_shardings) -> dict:
     ce, n = 0.0, 0.0
     for b in batches:
-        c, k = eval_fn(state["params"], state["other"], step_lib.put_batch(b, batch_shardings))
+        B = len(next(iter(b.values())))
+        put = dist.global_batch(lambda lo, hi: {k: v[lo:hi] for k, v in b.items()}, batch_shardings, B)
+        c, k = dist.host_value(eval_fn(state["params"], state["other"], put))
         ce, n = ce + float(c), n + float(k)
     loss = ce / max(n, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
@@ -126,18 +164,21 @@ def sample(cfg, graphdef, state: dict, tokenizer, prompt: str, max_new_tokens: i
     return prompt + tokenizer.decode([t for t in out if t not in stop])
 
 
-def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = None) -> dict:
+def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = None,
+          checkpoint_dir: Optional[str] = None) -> dict:
     """Train (or resume) the experiment ``config`` in ``workdir``; returns a summary dict.
 
     ``step_hook(step, state)`` (tests and debugging) runs before each step and may return a
-    replacement state."""
+    replacement state. ``checkpoint_dir`` (default ``workdir/checkpoints``; ``gs://`` allowed)."""
     t_start = time.time()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
+    main = dist.is_main()
     tc = config.train
     config_json = to_json_dict(config)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(config_json, f, indent=2)
+    if main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2)
 
     # ---- data and tokenizer
     train_docs, eval_docs = data_lib.load_documents(config.data)
@@ -161,9 +202,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     rules = shd.rules_from_config(config.sharding_rules)
     optimizer, schedule = make_optimizer(config.optim, tc.steps)
     B = config.data.batch_size
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
+    ckpt = Checkpointer(checkpoint_dir or os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
                         async_save=tc.async_checkpointing)
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir) if main else _NoMetrics()
     latest = ckpt.latest_step()
     data_state = None
     if latest is not None:
@@ -175,7 +216,8 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     else:
         graphdef, state, shardings = step_lib.init_train_state(cfg, optimizer, mesh, rules, config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}")
+    _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}, "
+         f"{jax.process_count()} process(es)")
 
     loss = LOSS.get(tc.loss, field="config.train.loss")
     loss_config = LOSS.make_config(tc.loss, tc.loss_config.to_dict() if hasattr(tc.loss_config, "to_dict")
@@ -187,7 +229,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     batch_sh = step_lib.batch_shardings(mesh, rules, B, loss.batch_keys)
     it = train_ds.iterator(data_state)
 
-    start = int(jax.device_get(state["step"]))
+    start = int(dist.host_value(state["step"]))
     total = int(tc.steps)
     tokens_per_step = B * config.data.seq_len
     pending: list[tuple[int, Any]] = []
@@ -195,7 +237,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     last_eval: dict = {}
     last_saved = latest
     bar = None
-    if tc.progress and start < total:
+    if tc.progress and start < total and main:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -207,7 +249,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         nonlocal pending, last_train, t_window, steps_window
         if not pending:
             return
-        host = jax.device_get([m for _, m in pending])
+        host = dist.host_value([m for _, m in pending])
         for (s, _), m in zip(pending, host):
             m = {k: float(v) for k, v in m.items()}
             if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
@@ -233,10 +275,11 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     try:
         with jax.set_mesh(mesh):
             for step in range(start, total):
-                batch = next(it)
+                pos = it.next_position()
                 if step_hook is not None:
                     state = step_hook(step, state) or state
-                state, metrics = train_step(state, step_lib.put_batch(batch, batch_sh))
+                batch = dist.global_batch(lambda lo, hi: train_ds.batch(*pos, rows=(lo, hi)), batch_sh, B)
+                state, metrics = train_step(state, batch)
                 done = step + 1
                 pending.append((done, metrics))
                 steps_window += 1
@@ -266,17 +309,24 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
 
     # ---- final model, tokenizer, sample
     hf_dir = None
+    multi = jax.process_count() > 1
+    if multi and (tc.export_hf or tc.sample_tokens > 0):  # every process joins the gather
+        state = {k: dist.host_value(state[k]) for k in ("params", "other")}
     if tc.export_hf:
         from pallasite.models.hf import export_hf
 
         hf_dir = os.path.join(workdir, "hf")
-        export_hf(cfg, jax.device_get(state["params"]), hf_dir)
-        tokenizer.save_pretrained(hf_dir)
+        if main:
+            export_hf(cfg, jax.device_get(state["params"]), hf_dir)
+            tokenizer.save_pretrained(hf_dir)
         _log(f"saved final model (HF format) and tokenizer to {hf_dir}")
     text = None
-    if tc.sample_tokens > 0:
-        with jax.set_mesh(mesh):
+    if tc.sample_tokens > 0 and main:
+        if multi:  # the gathered host copy, on this process's devices only
             text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens)
+        else:
+            with jax.set_mesh(mesh):
+                text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens)
         if text is not None:
             _log(f"sample (greedy): {text!r}")
     writer.close()
@@ -288,8 +338,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         "num_params": n_params, "tokens_per_s": steps_run * tokens_per_step / max(train_wall, 1e-9),
         "wall_s": time.time() - t_start, "workdir": workdir, "hf_dir": hf_dir, "sample": text,
     }
-    with open(os.path.join(workdir, "result.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    if main:
+        with open(os.path.join(workdir, "result.json"), "w") as f:
+            json.dump(result, f, indent=2)
     return result
 
 
