@@ -123,6 +123,7 @@ def compile_decode_step(config, devices, *, batch_size: int = 1, cache_len: int 
     from pallasite.inference.engine import forward_with_cache
     from pallasite.models.transformer import Transformer
     from pallasite.registry import KV_CACHE
+    from pallasite.training.step import attach_shardings
 
     cfg = _model_cfg(config)
     mesh = _mesh_for(config, devices)
@@ -130,8 +131,7 @@ def compile_decode_step(config, devices, *, batch_size: int = 1, cache_len: int 
     S = int(cache_len or cfg.max_seq_len)
     graphdef, abstract = jax.eval_shape(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0))))
     abstract_idx = jax.tree.map(lambda a: np.broadcast_to(np.zeros((), a.dtype), a.shape), abstract)
-    st_sh = shd.state_shardings(abstract_idx, mesh, rules)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, st_sh)
+    state = attach_shardings(abstract, shd.state_shardings(abstract_idx, mesh, rules))
     cache_cls = KV_CACHE.get(cfg.kv_cache)
     cache = jax.eval_shape(lambda: cache_cls.create(cfg, batch_size, S, config=None))
     replicated = NamedSharding(mesh, P())

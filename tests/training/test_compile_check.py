@@ -30,12 +30,16 @@ def test_batch_rows_are_the_slices_of_the_full_batch():
     docs = [np.arange(i, i + 50, dtype=np.int32) for i in range(40)]
     ds = PackedDataset(docs, seq_len=8, batch_size=8, seed=3)
     it, it2 = ds.iterator(), ds.iterator()
-    for _ in range(ds.batches_per_epoch + 2):  # across an epoch boundary
+    for i in range(ds.batches_per_epoch + 2):  # across an epoch boundary
         full = next(it)
         pos = it2.next_position()
+        epoch, index = divmod(i, ds.batches_per_epoch)
+        assert pos == (epoch, index)
         part = ds.batch(*pos, rows=(2, 6))
+        rows = ds.epoch_rows(epoch)
         for k in full:
-            np.testing.assert_array_equal(part[k], full[k][2:6])
+            np.testing.assert_array_equal(full[k], rows[k][index * 8:(index + 1) * 8])
+            np.testing.assert_array_equal(part[k], rows[k][index * 8 + 2:index * 8 + 6])
     assert it.state() == it2.state()
     with pytest.raises(ValueError, match="rows"):
         ds.batch(0, 0, rows=(4, 9))
@@ -90,3 +94,14 @@ def test_compile_timeout_ends_with_a_json_line():
     pytest.importorskip("libtpu")
     rc, out, r = _compile("--timeout", "0.2")
     assert rc == 3 and r["fits"] is None and "timeout" in r["error"]
+
+
+@pytest.mark.tpu_compile
+def test_decode_step_reports_bytes_per_step():
+    pytest.importorskip("libtpu")
+    rc, out, r = _compile("--step", "decode", "--batch", "2", "--cache-len", "64")
+    assert rc == 0, out
+    assert r["step"] == "decode" and r["batch"] == 2 and r["cache_len"] == 64
+    # tiny: 2 layers x (k, v) x [B=2, K=2, S=64, D=8] float32 cache
+    assert r["cache_bytes"] == 2 * 2 * 2 * 2 * 64 * 8 * 4
+    assert r["bytes_per_step"] == r["param_bytes"] + r["cache_bytes"] and r["fits"] is True
