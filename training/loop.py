@@ -341,6 +341,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     if main:
         with open(os.path.join(workdir, "result.json"), "w") as f:
             json.dump(result, f, indent=2)
+    dist.barrier("train_end")  # the processes leave together (the runtime's shutdown barrier times out)
     return result
 
 
