@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallasite.errors import DataError, InputError
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.engine import generate_ids
 from pallasite.models.config import ModelConfig
@@ -50,31 +51,49 @@ class Model:
     @functools.cached_property
     def _logits_fn(self):
         graphdef = self.graphdef
-        return jax.jit(lambda state, ids: forward(graphdef, state, ids)[0])
+        return jax.jit(lambda state, ids, positions, segments: forward(
+            graphdef, state, ids, positions, segment_ids_BT=segments)[0])
 
-    def logits(self, ids) -> jax.Array:
-        """float32 logits [batch, seq, vocab] for an int array of token ids ([seq] or [batch, seq])."""
+    def logits(self, ids, *, positions=None, segment_ids=None) -> jax.Array:
+        """float32 logits [batch, seq, vocab] for token ids ([seq] or [batch, seq]; every row the
+        same length — pad ragged rows yourself: the logits at a row's real positions do not depend on
+        right padding). ``positions`` / ``segment_ids`` (same shape) describe packed rows: positions
+        restart per document and attention stays inside a segment (default: 0..T-1, one segment)."""
+        if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray)):
+            lengths = sorted({len(row) for row in ids})
+            if len(lengths) > 1:
+                raise InputError(f"Model.logits: the rows have different lengths {lengths[:6]}; give "
+                                 f"rows of one length (right-pad the shorter ones and ignore the "
+                                 f"logits past each row's end)")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"Model.logits expects integer token ids, got dtype {ids.dtype}")
+            raise InputError(f"Model.logits expects integer token ids, got dtype {ids.dtype}")
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2:
-            raise ValueError(f"Model.logits expects ids of shape [seq] or [batch, seq], got {ids.shape}")
+            raise InputError(f"Model.logits expects ids of shape [seq] or [batch, seq], got {ids.shape}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(
+            raise InputError(
                 f"token ids must lie in [0, {self.config.vocab_size}); got range [{ids.min()}, {ids.max()}]"
             )
-        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32))
+        extra = []
+        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+            if value is not None:
+                value = np.asarray(value).reshape(ids.shape) if np.size(value) == ids.size else None
+                if value is None:
+                    raise InputError(f"Model.logits: {name} must have the shape of ids {ids.shape}")
+                value = jnp.asarray(value, jnp.int32)
+            extra.append(value)
+        return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), *extra)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids instead of strings")
+            raise InputError("this model has no tokenizer: pass token ids instead of strings")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: cannot decode ids to text")
+            raise InputError("this model has no tokenizer: cannot decode ids to text")
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ----------------------------------------------------------------- saving
@@ -94,7 +113,7 @@ class Model:
             with open(os.path.join(path, ORBAX_MARKER), "w") as f:
                 json.dump({"format": "pallasite-orbax", "version": 1, "config": self.config.to_dict()}, f, indent=1)
         else:
-            raise ValueError(f"Model.save: format={format!r}; expected 'hf' or 'orbax'")
+            raise InputError(f"Model.save: format={format!r}; expected 'hf' or 'orbax'")
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         return path
@@ -170,14 +189,16 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
     workdir (latest checkpoint)."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"pallasite.load: {path!r} does not exist")
+        raise FileNotFoundError(2, "does not exist (expected a model: an HF folder, a .gguf file, "
+                                   "a pallasite orbax folder or a training workdir)", path)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             from pallasite.models.gguf import import_gguf
 
+            _check_gguf_file(path)
             cfg, state, tokenizer = import_gguf(path, dtype=dtype)
             return Model(cfg, state, tokenizer, path=os.path.dirname(os.path.abspath(path)))
-        raise ValueError(f"pallasite.load: {path!r} is a file but not a .gguf; expected a GGUF file or a folder")
+        raise InputError(f"pallasite.load: {path!r} is a file but not a .gguf; expected a GGUF file or a folder")
     if os.path.exists(os.path.join(path, ORBAX_MARKER)):
         return _load_orbax(path, dtype)
     if _is_training_workdir(path):  # before the HF check: a workdir also holds a config.json
@@ -190,10 +211,23 @@ def load(path: str, *, dtype: Optional[Union[str, jnp.dtype]] = None) -> Model:
     for sub in ("model", "final_model", "export", "hf"):
         if os.path.isdir(os.path.join(path, sub)):
             return load(os.path.join(path, sub), dtype=dtype)
-    raise ValueError(
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise PermissionError(13, "cannot read this folder (permission denied)", path)
+    raise InputError(
         f"pallasite.load: cannot tell what {path!r} holds; expected a GGUF file, an HF folder with "
-        f"config.json + *.safetensors, or a pallasite folder with {ORBAX_MARKER}"
+        f"config.json + *.safetensors, a pallasite folder with {ORBAX_MARKER}, or a training "
+        f"workdir"
     )
+
+
+def _check_gguf_file(path: str) -> None:
+    """A .gguf that is not one (empty, truncated header, another format) fails naming the file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        what = ("is empty" if not head
+                else f"does not start with the GGUF magic (starts with {head[:4]!r})")
+        raise DataError(f"{path}: {what}; expected a GGUF model file")
 
 
 def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
@@ -202,20 +236,31 @@ def generate(model: Model, prompts: Union[str, Sequence[int], Sequence[Union[str
 
     Options are a ``GenerationConfig`` and/or its fields as keywords (``max_new_tokens``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_tokens``, ``kv_cache``,
-    ``kv_cache_config``, ``strategy``, ...). Returns completions as strings when the model has a
-    tokenizer, else lists of token ids. Generation stops at ``stop_tokens`` (default: the model's
-    eos ids) or ``max_new_tokens``; ``stream`` is called once per step with each row's new tokens."""
-    gen = GenerationConfig.make(config, **options)
+    ``kv_cache_config``, ``strategy``, ``constraint``, ...; ``grammar=`` / ``json_schema=`` /
+    ``regex=`` constrain the completion, docs/constrained.md). Returns one completion per prompt:
+    a string for a string prompt, a list of new token ids for a token-id prompt. A prompt longer than the model's
+    context (``ModelConfig.max_seq_len``) or the KV cache fails naming both lengths. Generation
+    stops at ``stop_tokens`` (default: the model's eos ids) or ``max_new_tokens``; ``stream`` is
+    called once per step with each row's new tokens."""
+    # grammar= / json_schema= / regex= become GenerationConfig.constraint, bound to the tokenizer
+    from pallasite.inference.constrained.sugar import make_generation_config
+
+    gen = make_generation_config(config, options, model.tokenizer)
     if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]
-    prompt_ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    prompt_ids = []
+    for i, p in enumerate(prompts):
+        ids = model.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        if isinstance(p, str) and not ids:
+            raise InputError(f"prompt {i} ({p!r}) is empty: it encodes to no tokens; give some "
+                             f"text")
+        prompt_ids.append(ids)
     if gen.stop_tokens is None and not model.config.eos_token_id and model.tokenizer is not None \
             and model.tokenizer.eos_token_id is not None:
         gen = gen.replace(stop_tokens=(int(model.tokenizer.eos_token_id),))
     out_ids = generate_ids(model.graphdef, model.state, model.config, prompt_ids, gen, stream=stream, model=model)
-    if model.tokenizer is None:
-        return out_ids
-    return [model.decode(ids) for ids in out_ids]
+    # text in, text out; token ids in, token ids out (per prompt)
+    return [model.decode(ids) if isinstance(p, str) else ids for p, ids in zip(prompts, out_ids)]
 
 
 LUT_PLACES = ("host", "device", "disk")
@@ -235,14 +280,15 @@ def serve_lut(model: Model, where: str = "host", *, path: Optional[str] = None, 
     from pallasite.models.mole import mole_config_of
 
     if where not in LUT_PLACES:
-        raise ValueError(f"serve_lut: where={where!r}; expected one of {LUT_PLACES}")
-    if model.config.ffn != "mole" or mole_config_of(model.config).mode != "train" or not mole_config_of(model.config).n_experts:
-        raise ValueError(f"serve_lut: needs a training-mode MoLE model with experts (config.ffn='mole', "
+        raise InputError(f"serve_lut: where={where!r}; expected one of {LUT_PLACES}")
+    mole = mole_config_of(model.config) if model.config.ffn == "mole" else None
+    if mole is None or mole.mode != "train" or not mole.n_experts:
+        raise InputError(f"serve_lut: needs a training-mode MoLE model with experts (config.ffn='mole', "
                          f"n_experts > 0); got ffn={model.config.ffn!r}")
     trained = nnx.merge(model.graphdef, model.state)
     if where == "disk":
         if path is None:
-            raise ValueError("serve_lut: where='disk' needs path= (the LUT file to read, or to build if missing)")
+            raise InputError("serve_lut: where='disk' needs path= (the LUT file to read, or to build if missing)")
         if not os.path.exists(path):
             ML.save_lut(path, ML.HostLUT.from_model(trained, quant=quant, block=block))
         store = ML.open_lut(path, trained)
@@ -255,7 +301,7 @@ def serve_lut(model: Model, where: str = "host", *, path: Optional[str] = None, 
         served = MD.serve_with_store(lut_model, store)
     else:
         if quant != "none":
-            raise ValueError("serve_lut: where='device' keeps the float LUT on the device; quant must be 'none'")
+            raise InputError("serve_lut: where='device' keeps the float LUT on the device; quant must be 'none'")
         served = MD.serve_on_device(lut_model, store.data[0])
     graphdef, state = nnx.split(served)
     return Model(served.cfg, state, model.tokenizer, graphdef, path=model.path)

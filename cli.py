@@ -1,17 +1,23 @@
 """The ``pallasite`` console script (big_vision style).
 
-    pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.train.steps=200 ...]
-    pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7 --top-p 0.9]
-                       [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
-    pallasite eval     --model PATH [--data stdlib|FILE.txt|FILE.jsonl] [--seq-len 512] [--max-windows 64]
+    pallasite train    --config configs/quickstart.py[:arg] --workdir DIR [--config.a.b=v ...]
+    pallasite generate --model PATH --prompt "text" [--max-new-tokens 64 --temperature 0.7]
+                       [--top-p 0.9]
+                       [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
+    pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
+                       [--max-windows 64]
+    pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
     pallasite convert  --input PATH --output DIR --to hf|orbax      (HF ⇄ orbax, GGUF → HF/orbax)
-    pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE: experts → LUT file)
-    pallasite compile  --config configs/llama3_8b.py --topology v5p:4x4x4 [--step decode]   (AOT memory check)
+    pallasite lut      --model PATH --output FILE.lut [--quant nf4 --block 768]   (MoLE)
+    pallasite compile  --config configs/llama3_8b.py --topology v5p:4x4x4 [--step decode]   (AOT memory)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
 device memory, or read from a LUT file (memory-mapped; built first if missing).
 PATH may be an HF folder, a .gguf file, a pallasite orbax folder or a ``pallasite train`` workdir.
+A wrong input (config key, path, prompt, option) prints one line naming it and exits 1; Ctrl-C
+exits 130 (training first saves a checkpoint). ``--debug`` or ``PALLASITE_DEBUG=1`` shows the
+traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +26,26 @@ import argparse
 import json
 import os
 import sys
+import time
+
+from pallasite.errors import InputError, describe, is_user_error
+
+DEBUG_ENV = "PALLASITE_DEBUG"
+EXIT_USER_ERROR = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
+
+TRAIN_EPILOG = """\
+config overrides (any number, after the flags):
+  --config.a.b=VALUE    set field a.b of the experiment config, parsed by the type of its default
+                        (e.g. --config.train.steps=500 --config.optim.lr=1e-3
+                        --config.data.paths='("a.txt","b.txt")'); an unknown key or a value of the
+                        wrong type fails naming the key
+  --config FILE.py:ARG  passes ARG to the file's get_config(ARG): a preset word (e.g.
+                        configs/quickstart.py:cpu, a 10-step smoke run) or key=value pairs
+                        (e.g. configs/experts/quality.py:kind=mole4,scale=cpu)
+
+Re-running the same command resumes from the workdir's latest checkpoint; Ctrl-C saves one first.
+"""
 
 
 def _split_config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -29,10 +55,10 @@ def _split_config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--config."):
-            key = arg[len("--config."):]
+            key = arg[len("--config.") :]
             if "=" not in key:
                 if i + 1 >= len(argv):
-                    raise SystemExit(f"pallasite: override {arg} needs a value (--config.key=value)")
+                    raise InputError(f"override {arg} needs a value (--config.key=value)")
                 key = f"{key}={argv[i + 1]}"
                 i += 1
             overrides.append(key)
@@ -43,21 +69,22 @@ def _split_config_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _split_kind_options(argv: list[str], kinds) -> tuple[list[str], dict]:
-    """Separate ``--KIND.FIELD=v`` (or ``--KIND.FIELD v``) options of registered kinds: {kind: {field: v}}."""
+    """Separate ``--KIND.FIELD=v`` (or ``--KIND.FIELD v``) options of registered kinds:
+    {kind: {field: v}}."""
     rest, options = [], {}
     i = 0
     while i < len(argv):
         arg = argv[i]
         head = arg[2:].split(".", 1)[0] if arg.startswith("--") and "." in arg else None
         if head in kinds:
-            key = arg[2 + len(head) + 1:]
+            key = arg[2 + len(head) + 1 :]
             if "=" in key:
                 key, value = key.split("=", 1)
             elif i + 1 < len(argv):
                 value = argv[i + 1]
                 i += 1
             else:
-                raise SystemExit(f"pallasite: option {arg} needs a value (--{head}.field=value)")
+                raise InputError(f"option {arg} needs a value (--{head}.field=value)")
             options.setdefault(head, {})[key.replace("-", "_")] = _literal(value)
         else:
             rest.append(arg)
@@ -66,7 +93,8 @@ def _split_kind_options(argv: list[str], kinds) -> tuple[list[str], dict]:
 
 
 def _literal(text: str):
-    """A command-line value as a Python literal where it is one (0.4, 128, None, true), else the string."""
+    """A command-line value as a Python literal where it is one (0.4, 128, None, true), else the
+    string."""
     import ast
 
     if text.lower() in ("true", "false"):
@@ -108,61 +136,180 @@ def _load_for_inference(args):
 def _cmd_generate(args, overrides):
     import pallasite
 
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty; give the text to complete (or to answer, with --chat)")
     model = _load_for_inference(args)
     if model.tokenizer is None:
-        raise SystemExit(f"pallasite generate: {args.model!r} has no tokenizer; cannot take a text prompt")
+        raise InputError(f"{args.model!r} has no tokenizer; cannot take a text prompt")
     prompt = args.prompt
     if args.chat:
-        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                     add_generation_prompt=True)
-    print(args.prompt, end="", flush=True)
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise InputError(
+                f"--chat: the tokenizer of {args.model!r} has no chat template; drop --chat"
+            )
+        prompt = model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        print(
+            args.prompt, end="\n\n", flush=True
+        )  # the answer goes below the question, not glued to it
+    else:
+        print(args.prompt, end="", flush=True)  # a completion continues the prompt's text
     generated: list[int] = []
     shown = [""]
+    t_first = []
 
     def stream(new_tokens):
         # Decode the whole completion each step and print the new suffix: token-by-token
         # decoding would split multi-byte characters.
+        if not t_first:
+            t_first.append(time.perf_counter())
         generated.extend(int(t) for t in new_tokens[0])
         text = model.decode(generated)
-        print(text[len(shown[0]):], end="", flush=True)
+        print(text[len(shown[0]) :], end="", flush=True)
         shown[0] = text
 
     options = args.kind_options
     unused = sorted(set(options) - {args.kv_cache})
     if unused:
-        raise SystemExit(f"pallasite generate: options for kv cache kind(s) {unused} given, but --kv-cache is "
-                         f"{args.kv_cache!r}")
-    cache = {} if args.kv_cache is None else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
-    pallasite.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream, **cache)
+        raise InputError(
+            f"options for kv cache kind(s) {unused} given, but --kv-cache is {args.kv_cache!r}"
+        )
+    cache = (
+        {}
+        if args.kv_cache is None
+        else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
+    )
+    from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
+
+    constraint = cli_options(args)
+    t0 = time.perf_counter()
+    pallasite.generate(
+        model,
+        [prompt],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=stream,
+        **cache,
+        **constraint,
+    )
+    t_end = time.perf_counter()
     print()
+    n = len(generated)
+    rate = (
+        f"{(n - 1) / (t_end - t_first[0]):.1f} tokens/s after the first"
+        if n > 1 and t_end > t_first[0]
+        else ""
+    )
+    print(
+        f"[generate] {n} tokens in {t_end - t0:.2f} s; {rate}{'; ' if rate else ''}"
+        f"first token after "
+        f"{t_first[0] - t0:.2f} s (compilation + prompt)",
+        file=sys.stderr,
+    )
+
+
+def _workdir_config(path: str):
+    """The experiment config of a ``pallasite train`` workdir, or None for any other model path."""
+    from pallasite.api import _is_training_workdir
+
+    if not os.path.isdir(path) or not _is_training_workdir(path):
+        return None
+    import ml_collections
+
+    with open(os.path.join(path, "config.json")) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def _eval_texts(args, model, run_config) -> tuple[list[str], str]:
+    """(documents, which split/files they are) for --data stdlib | FILE.txt | FILE.jsonl."""
+    from pallasite.training import data as data_lib
+
+    if args.data == "stdlib":
+        percent = run_config.data.heldout_percent if run_config is not None else 5
+        texts = data_lib.stdlib_texts(split="eval", heldout_percent=percent)
+        return texts, (
+            f"the stdlib held-out split ({percent}% of files by crc32 of the path: "
+            f"{len(texts)} files, "
+            f"no byte budget)"
+        )
+    if args.data.endswith((".jsonl", ".jsonl.gz")):
+        docs = data_lib.jsonl_documents([args.data], args.field)
+        return [d.text for d in docs], f"{args.data} ({len(docs)} records, field {args.field!r})"
+    docs = data_lib.text_documents([args.data])
+    return [d.text for d in docs], f"{args.data} ({len(docs)} file{'s' if len(docs) != 1 else ''})"
 
 
 def _cmd_eval(args, overrides):
+    if args.facttest:  # FactTest (eval/facttest/cli.py)
+        from pallasite.eval.facttest import cli as facttest_cli
+
+        return facttest_cli.run(args)
     import numpy as np
 
-    from pallasite.eval.perplexity import perplexity
+    from pallasite.eval.perplexity import packed_nll, perplexity
+    from pallasite.training import data as data_lib
 
+    run_config = _workdir_config(args.model)
+    data = args.data or ("heldout" if run_config is not None else "stdlib")
     model = _load_for_inference(args)
     if model.tokenizer is None:
-        raise SystemExit(f"pallasite eval: {args.model!r} has no tokenizer")
-    if args.data == "stdlib":
-        from pallasite.training.data import stdlib_texts
-
-        texts = stdlib_texts(split="eval")
-    elif args.data.endswith(".jsonl"):
-        with open(args.data) as f:
-            texts = [json.loads(line)[args.field] for line in f if line.strip()]
+        raise InputError(f"{args.model!r} has no tokenizer; eval needs one to read text")
+    if data in ("heldout", "run"):
+        if run_config is None:
+            raise InputError(
+                f"--data {data} scores a training run's own held-out set: --model must be a "
+                f"`pallasite train` workdir, got {args.model!r}"
+            )
+        if args.seq_len is not None or args.max_windows is not None:
+            raise InputError(
+                f"--data {data} uses the run's windows (data.seq_len={run_config.data.seq_len}, "
+                f"data.eval_batches={run_config.data.eval_batches}); drop --seq-len / --max-windows"
+            )
+        _, eval_docs = data_lib.load_documents(run_config.data)
+        batches = data_lib.heldout_batches(run_config.data, model.tokenizer, eval_docs)
+        where = data_lib.describe_heldout(run_config.data, eval_docs, batches)
+        protocol = "packed documents, as the training run's eval"
+        result = packed_nll(model.logits, batches)
+        seq_len = int(run_config.data.seq_len)
     else:
-        with open(args.data) as f:
-            texts = [f.read()]
-    ids = []
-    for t in texts:
-        ids.extend(model.encode(t))
-        if len(ids) >= args.seq_len * args.max_windows:
-            break
-    result = perplexity(model.logits, np.asarray(ids), args.seq_len, max_windows=args.max_windows)
-    print(json.dumps({"model": args.model, "data": args.data, **result}))
+        args.data = data
+        texts, where = _eval_texts(args, model, run_config)
+        if args.seq_len is not None:
+            seq_len = args.seq_len
+        elif run_config is not None:
+            seq_len = int(run_config.data.seq_len)  # the context length the model was trained at
+        else:
+            seq_len = min(512, model.config.max_seq_len)
+        if not 2 <= seq_len <= model.config.max_seq_len:
+            raise InputError(
+                f"--seq-len {seq_len}: expected 2 .. the model's context "
+                f"max_seq_len={model.config.max_seq_len}"
+            )
+        max_windows = 64 if args.max_windows is None else args.max_windows
+        eos = model.tokenizer.eos_token_id
+        ids: list[int] = []
+        for t in texts:
+            ids.extend(model.encode(t) + ([int(eos)] if eos is not None else []))
+            if len(ids) >= seq_len * max_windows:
+                break
+        result = perplexity(model.logits, np.asarray(ids), seq_len, max_windows=max_windows)
+        protocol = (
+            "non-overlapping windows over the documents joined with eos, every next token scored"
+        )
+        where += (
+            f"; the first {result['windows']} windows of {seq_len} tokens (files in path order; "
+            f"`--data heldout` on a training workdir scores exactly the run's own eval set)"
+        )
+    print(f"[eval] data: {where}; protocol: {protocol}", file=sys.stderr)
+    print(
+        json.dumps(
+            {"model": args.model, "data": data, "split": where, "seq_len": seq_len, **result}
+        )
+    )
 
 
 def _cmd_convert(args, overrides):
@@ -174,37 +321,58 @@ def _cmd_convert(args, overrides):
 
 
 def _cmd_lut(args, overrides):
-    import pallasite
     from flax import nnx
 
+    import pallasite
     from pallasite.models import mole_lut as ML
 
     model = pallasite.load(args.model, dtype=args.dtype)
     if model.config.ffn != "mole":
-        raise SystemExit(f"pallasite lut: {args.model!r} is not a MoLE model (ffn={model.config.ffn!r})")
-    store = ML.HostLUT.from_model(nnx.merge(model.graphdef, model.state), quant=args.quant, block=args.block)
+        raise InputError(f"{args.model!r} is not a MoLE model (ffn={model.config.ffn!r})")
+    store = ML.HostLUT.from_model(
+        nnx.merge(model.graphdef, model.state), quant=args.quant, block=args.block
+    )
     ML.save_lut(args.output, store)
-    print(json.dumps({"output": args.output, "bytes": os.path.getsize(args.output), "quant": args.quant,
-                      "bytes_per_token": store.bytes_per_token, "shape": [store.meta.vocab_size, *store.meta.row_shape]}))
+    print(
+        json.dumps(
+            {
+                "output": args.output,
+                "bytes": os.path.getsize(args.output),
+                "quant": args.quant,
+                "bytes_per_token": store.bytes_per_token,
+                "shape": [store.meta.vocab_size, *store.meta.row_shape],
+            }
+        )
+    )
 
 
-def main(argv=None):
-    from pallasite.registry import KV_CACHE
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv, overrides = _split_config_overrides(argv)
-    if argv[:1] == ["compile"]:  # its own parser (training/compile_check.py); exit status = fits
-        from pallasite.training import compile_check
-
-        raise SystemExit(compile_check.main(argv[1:], overrides))
-    argv, kind_options = _split_kind_options(argv, KV_CACHE.names())
-    parser = argparse.ArgumentParser(prog="pallasite", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser(kv_kinds) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pallasite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show tracebacks (also {DEBUG_ENV}=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train from a config file")
-    p.add_argument("--config", required=True, help="config file with get_config(arg); 'file.py:arg' passes arg")
-    p.add_argument("--workdir", required=True)
+    p = sub.add_parser(
+        "train",
+        help="train from a config file",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="pallasite train --config FILE.py[:ARG] --workdir DIR [--config.a.b=VALUE ...]",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE.py[:ARG]",
+        help="experiment file defining get_config(arg); 'FILE.py:ARG' passes ARG (see below)",
+    )
+    p.add_argument(
+        "--workdir",
+        required=True,
+        help="where checkpoints, metrics and the model go (resumed if present)",
+    )
     p.add_argument("--checkpoint-dir", default=None, help="orbax checkpoints (default WORKDIR/checkpoints; gs:// ok)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-process run: process 0's address (Cloud TPU slices need none: auto-detected)")
@@ -213,9 +381,12 @@ def main(argv=None):
     p.set_defaults(fn=_cmd_train)
     sub.add_parser("compile", help="AOT-compile the train/decode step for a TPU topology: per-chip memory, fits")
 
-    for name, fn, help_ in (("generate", _cmd_generate, "generate text"), ("eval", _cmd_eval, "perplexity"),
-                            ("convert", _cmd_convert, "convert between formats"),
-                            ("lut", _cmd_lut, "MoLE: re-parameterise the experts into a LUT file")):
+    for name, fn, help_ in (
+        ("generate", _cmd_generate, "generate text"),
+        ("eval", _cmd_eval, "perplexity"),
+        ("convert", _cmd_convert, "convert between formats"),
+        ("lut", _cmd_lut, "MoLE: re-parameterise the experts into a LUT file"),
+    ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--dtype", default=None, help="load weights as this dtype (e.g. bfloat16)")
         if name == "convert":
@@ -223,45 +394,131 @@ def main(argv=None):
             p.add_argument("--output", required=True)
             p.add_argument("--to", choices=("hf", "orbax"), required=True)
         else:
-            p.add_argument("--model", required=True,
-                           help="HF folder, .gguf file, pallasite orbax folder or training workdir")
+            p.add_argument(
+                "--model",
+                required=True,
+                help="HF folder, .gguf file, pallasite orbax folder or training workdir",
+            )
         if name == "lut":
             p.add_argument("--output", required=True, help="the LUT file to write")
         if name in ("generate", "eval"):
-            p.add_argument("--mole-lut", default=None, metavar="host|device|FILE.lut",
-                           help="MoLE models: serve the experts as a LUT in host memory, device memory or a file")
+            p.add_argument(
+                "--mole-lut",
+                default=None,
+                metavar="host|device|FILE.lut",
+                help="MoLE models: serve the experts as a LUT in host memory, device memory or "
+                "a file",
+            )
         if name in ("generate", "eval", "lut"):
             flag = "--quant" if name == "lut" else "--lut-quant"
-            p.add_argument(flag, default="none", choices=("none", "nf4", "nf3"),
-                           help="NormalFloat LUT quantization with token-wise blocks (paper §4.4)")
-            p.add_argument("--block" if name == "lut" else "--lut-block", type=int, default=768,
-                           help="values per quantization block (paper: 768 for NF4, 128 for NF3)")
+            p.add_argument(
+                flag,
+                default="none",
+                choices=("none", "nf4", "nf3"),
+                help="NormalFloat LUT quantization with token-wise blocks (paper §4.4)",
+            )
+            p.add_argument(
+                "--block" if name == "lut" else "--lut-block",
+                type=int,
+                default=768,
+                help="values per quantization block (paper: 768 for NF4, 128 for NF3)",
+            )
         if name == "generate":
             p.add_argument("--prompt", required=True)
-            p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+            p.add_argument(
+                "--chat",
+                action="store_true",
+                help="wrap the prompt in the tokenizer's chat template; the answer is printed "
+                "below it",
+            )
             p.add_argument("--max-new-tokens", type=int, default=64)
-            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
             p.add_argument("--top-k", type=int, default=None)
             p.add_argument("--top-p", type=float, default=None)
             p.add_argument("--seed", type=int, default=0)
-            p.add_argument("--kv-cache", default=None, metavar="|".join(KV_CACHE.names()),
-                           help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE")
-        if name == "eval":
-            p.add_argument("--data", default="stdlib", help="stdlib | FILE.txt | FILE.jsonl")
-            p.add_argument("--field", default="text", help="jsonl field holding the text")
-            p.add_argument("--seq-len", type=int, default=512)
-            p.add_argument("--max-windows", type=int, default=64)
-        p.set_defaults(fn=fn)
+            p.add_argument(
+                "--kv-cache",
+                default=None,
+                metavar="|".join(kv_kinds),
+                help="KV cache kind (default: the model's); its options as --KIND.FIELD VALUE",
+            )
+            from pallasite.inference.constrained.sugar import add_cli_arguments
 
+            add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN
+        if name == "eval":
+            p.add_argument(
+                "--data",
+                default=None,
+                metavar="heldout|stdlib|FILE.txt|FILE.jsonl",
+                help="heldout: a training workdir's own eval set, as its training run scored it "
+                "(the default for a workdir); stdlib: the stdlib held-out files (the default "
+                "otherwise); or text / jsonl files",
+            )
+            p.add_argument("--field", default="text", help="jsonl field holding the text")
+            p.add_argument(
+                "--seq-len",
+                type=int,
+                default=None,
+                help="window length (default: a workdir's training seq_len, else 512)",
+            )
+            p.add_argument(
+                "--max-windows",
+                type=int,
+                default=None,
+                help="at most this many windows (default 64)",
+            )
+            from pallasite.eval.facttest import cli as facttest_cli
+
+            facttest_cli.add_arguments(p)
+        p.set_defaults(fn=fn)
+    return parser
+
+
+def _run(argv: list[str]) -> None:
+    from pallasite.registry import KV_CACHE
+
+    argv, overrides = _split_config_overrides(argv)
+    if argv[:1] == ["compile"]:  # its own parser (training/compile_check.py); exit status = fits
+        from pallasite.training import compile_check
+
+        raise SystemExit(compile_check.main(argv[1:], overrides))
+    argv, kind_options = _split_kind_options(argv, KV_CACHE.names())
+    parser = _parser(KV_CACHE.names())
     args = parser.parse_args(argv)
     args.kind_options = kind_options
     if overrides and args.command != "train":
         parser.error(f"--config.* overrides only apply to 'train', got {overrides}")
     if kind_options and args.command != "generate":
         parser.error(f"--KIND.FIELD options only apply to 'generate', got {sorted(kind_options)}")
-    if getattr(args, "kv_cache", None) is not None and args.kv_cache not in KV_CACHE:
-        parser.error(f"--kv-cache {args.kv_cache!r}; known kinds: {', '.join(KV_CACHE.names())}")
+    if getattr(args, "kv_cache", None) is not None:
+        KV_CACHE.check(args.kv_cache, field="--kv-cache")  # UnknownKindError names the known kinds
     args.fn(args, overrides)
+
+
+def main(argv=None) -> None:
+    """Entry point: runs one command; a user error is one line on stderr and exit status 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() not in (
+        "",
+        "0",
+        "false",
+        "no",
+    )
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), "")
+    prefix = f"pallasite {command}".strip()
+    try:
+        _run(argv)
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        print(f"\n{prefix}: {describe(e) if str(e) else 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except Exception as e:  # noqa: BLE001 — only the user-error family is turned into one line
+        if debug or not is_user_error(e):
+            raise
+        print(f"{prefix}: error: {describe(e)}  (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 if __name__ == "__main__":

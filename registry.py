@@ -6,12 +6,15 @@
 
 One ``Registry`` per seam: ``FFN`` (``ModelConfig.ffn``), ``LINEAR`` (``.linear``), ``KV_CACHE``
 (``.kv_cache`` / generation), ``ATTENTION`` (``.attention_impl``), ``DECODE_STRATEGY``, ``LOSS``
-(``config.train.loss``), and the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``. A kind may carry a sub-config class: the seam's ``*_config`` field must be
-an instance of it, and a mapping is validated into one (unknown fields are named).
+(``config.train.loss``), the checkpoint mappings ``HF_MODEL_TYPE`` / ``HF_FFN``, and ``CONSTRAINT``
+(grammar kinds of ``GenerationConfig.constraint``). A kind may carry a sub-config class: the
+seam's ``*_config`` field must be an instance of it, and a mapping is validated into one (unknown
+fields are named).
 
 The built-in kinds are found lazily through ``BUILTIN_KINDS`` (kind -> the module that registers
-it, imported by name on first use): this module imports nothing from the package, so every other
-module may import it without a cycle, and the core modules never name a method.
+it, imported by name on first use): this module imports nothing from the package but
+``pallasite.errors`` (which imports nothing), so every other module may import it without a
+cycle, and the core modules never name a method.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import dataclasses
 import importlib
 from typing import Any, Mapping, Optional
 
+from pallasite.errors import ConfigError, UserError
+
 # seam -> kind -> module that registers it (imported on first lookup of that kind)
 BUILTIN_KINDS: dict[str, dict[str, str]] = {
     "ffn": {"dense": "pallasite.models.ffn", "moe": "pallasite.models.moe", "mole": "pallasite.models.mole"},
@@ -27,15 +32,17 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
     "kv_cache": {"dense": "pallasite.inference.cache.dense", "kv4": "pallasite.inference.cache.kv4",
                  "catekv": "pallasite.inference.cache.catekv"},
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
-    "decode_strategy": {"sample": "pallasite.inference.engine"},
+    "decode_strategy": {"sample": "pallasite.inference.engine",
+                        "constrained": "pallasite.inference.constrained.strategy"},
     "loss": {"lm": "pallasite.training.losses.lm"},
     "hf_model_type": {**{t: "pallasite.models.hf_config" for t in ("llama", "mistral", "qwen2", "qwen3")},
                       **{t: "pallasite.models.hf_moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}},
     "hf_ffn": {"dense": "pallasite.models.hf", "moe": "pallasite.models.hf_moe"},
+    "constraint": {k: "pallasite.inference.constrained.grammars" for k in ("lark", "ebnf", "json_schema", "regex")},
 }
 
 
-class UnknownKindError(ValueError):
+class UnknownKindError(UserError, ValueError):
     """A kind that no module registered (the message names the seam and the known kinds)."""
 
 
@@ -114,7 +121,7 @@ class Registry:
         if e.config is None:
             if value is None or (isinstance(value, Mapping) and not value):
                 return None
-            raise ValueError(f"{where}: {self.seam} kind {kind!r} takes no options; got {value!r}")
+            raise ConfigError(f"{where}: {self.seam} kind {kind!r} takes no options; got {value!r}")
         if value is None:
             return e.config()
         if isinstance(value, e.config):
@@ -148,9 +155,14 @@ def config_from_mapping(cls: type, value: Mapping, *, where: str, aliases: Optio
         name = aliases.get(key, key)
         if name not in fields:
             known = sorted(fields | set(aliases))
-            raise ValueError(f"{where}: unknown key {key!r}; known keys are {known}")
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys are {known}")
         kwargs[name] = tuple(v) if isinstance(v, list) else v
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # the sub-config's own validation of a user's values
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def config_to_dict(value: Any) -> Any:
@@ -168,9 +180,10 @@ DECODE_STRATEGY = Registry("decode_strategy", BUILTIN_KINDS["decode_strategy"])
 LOSS = Registry("loss", BUILTIN_KINDS["loss"])
 HF_MODEL_TYPE = Registry("hf_model_type", BUILTIN_KINDS["hf_model_type"])  # config.json model_type -> ModelTypeSpec
 HF_FFN = Registry("hf_ffn", BUILTIN_KINDS["hf_ffn"])  # ffn kind -> (to_hf_fn, from_hf_fn) tensor mapping
+CONSTRAINT = Registry("constraint", BUILTIN_KINDS["constraint"])  # grammar kind -> source -> llguidance grammar
 
 REGISTRIES: dict[str, Registry] = {r.seam: r for r in (FFN, LINEAR, KV_CACHE, ATTENTION, DECODE_STRATEGY, LOSS,
-                                                        HF_MODEL_TYPE, HF_FFN)}
+                                                        HF_MODEL_TYPE, HF_FFN, CONSTRAINT)}
 
 
 def lookup(seam: str) -> Registry:
@@ -180,5 +193,6 @@ def lookup(seam: str) -> Registry:
 
 
 __all__ = ["Registry", "Entry", "UnknownKindError", "BUILTIN_KINDS", "FFN", "LINEAR", "KV_CACHE", "ATTENTION",
-           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "REGISTRIES", "lookup", "config_from_mapping", "config_to_dict"]
+           "DECODE_STRATEGY", "LOSS", "HF_MODEL_TYPE", "HF_FFN", "CONSTRAINT", "REGISTRIES", "lookup",
+           "config_from_mapping", "config_to_dict"]
 

@@ -2,16 +2,22 @@
 split the stream into non-overlapping windows of ``seq_len`` tokens, score every next-token
 prediction inside each window (no context carried across windows), and report
 ``exp(mean NLL)`` over all predicted tokens.
+
+``packed_nll`` scores a training run's packed evaluation batches instead (``training/data.py``:
+documents packed into rows with segment ids, targets across a document boundary masked): the
+same number the training loop reports as its eval loss.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
+
+from pallasite.errors import InputError
 
 
 def window_nll(logits_fn: Callable[[jax.Array], jax.Array], windows_NT: np.ndarray, batch_size: int = 8,
@@ -38,13 +44,38 @@ def perplexity(logits_fn: Callable[[jax.Array], jax.Array], token_ids: np.ndarra
     """``logits_fn(ids_BT) -> logits_BTV``; returns {'nll', 'ppl', 'tokens', 'windows'}."""
     token_ids = np.asarray(token_ids)
     if token_ids.ndim != 1:
-        raise ValueError(f"perplexity expects a 1-D token stream, got shape {token_ids.shape}")
+        raise InputError(f"perplexity expects a 1-D token stream, got shape {token_ids.shape}")
     n = len(token_ids) // seq_len
     if n == 0:
-        raise ValueError(f"perplexity: {len(token_ids)} tokens are fewer than one window of seq_len={seq_len}")
+        raise InputError(f"perplexity: the data gives {len(token_ids)} tokens, fewer than one "
+                         f"window of seq_len={seq_len}; give more text or a smaller --seq-len")
     if max_windows is not None:
         n = min(n, max_windows)
     windows = token_ids[: n * seq_len].reshape(n, seq_len)
     total, count = window_nll(logits_fn, windows, batch_size=batch_size, progress=progress)
     mean = total / count
     return {"nll": mean, "ppl": float(np.exp(mean)), "tokens": count, "windows": n}
+
+
+def packed_nll(logits_fn: Callable[..., jax.Array], batches: Sequence[dict],
+               progress: bool = True) -> dict:
+    """Masked next-token NLL over packed batches (``tokens``, ``targets``, ``positions``,
+    ``segment_ids``, ``loss_mask``); ``logits_fn(tokens, positions=, segment_ids=)`` is e.g.
+    ``pallasite.Model.logits``. Returns {'nll', 'ppl', 'tokens', 'windows'}."""
+
+    @jax.jit
+    def nll(logits_BTV, targets_BT, mask_BT):
+        logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+        picked = jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+        return -(picked * mask_BT).sum(), mask_BT.sum()
+
+    total, count, windows = 0.0, 0.0, 0
+    for b in tqdm(batches, desc="eval", disable=not progress, leave=False):
+        logits = logits_fn(b["tokens"], positions=b["positions"], segment_ids=b["segment_ids"])
+        t, n = nll(logits, jnp.asarray(b["targets"], jnp.int32),
+                   jnp.asarray(b["loss_mask"], jnp.float32))
+        total, count, windows = total + float(t), count + float(n), windows + len(b["tokens"])
+    if count == 0:
+        raise ValueError("packed_nll: the batches hold no scored token")
+    mean = total / count
+    return {"nll": mean, "ppl": float(np.exp(mean)), "tokens": int(count), "windows": windows}

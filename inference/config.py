@@ -8,7 +8,10 @@ Sampling values may be scalars or one value per prompt. ``stop_tokens=None`` mea
 ids. ``kv_cache=None`` means the model's default cache (``ModelConfig.kv_cache``); a kind's options
 go in ``kv_cache_config`` (validated against the kind's registered sub-config). ``strategy`` names a
 registered decode strategy (``pallasite.registry.DECODE_STRATEGY``; ``"sample"``: greedy /
-temperature / top-k / top-p) with its options in ``strategy_config``.
+temperature / top-k / top-p) with its options in ``strategy_config``. ``constraint`` is a
+``pallasite.inference.constrained.Constraint`` (a grammar, JSON schema or regex; CRANE spans), a
+mapping of its fields, or one per prompt (None = unconstrained row); with the default strategy it
+selects ``"constrained"`` (sampling under the grammar's masks, docs/constrained.md).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from pallasite.errors import InputError
 from pallasite.registry import DECODE_STRATEGY, KV_CACHE
 
 
@@ -38,14 +42,21 @@ class GenerationConfig:
     strategy_config: Any = None
     logits_processors: tuple = ()  # proc(logits_BV, state) -> logits_BV, before the sampling filters
     pad_id: Optional[int] = None
+    constraint: Any = None  # Constraint | mapping of its fields | one per prompt | None
 
     def __post_init__(self):
         for name in ("temperature", "top_k", "top_p", "stop_tokens", "logits_processors"):
             object.__setattr__(self, name, _tuple(getattr(self, name)))
+        if self.constraint is not None:
+            from pallasite.inference.constrained.constraint import normalize
+
+            object.__setattr__(self, "constraint", normalize(self.constraint))
+            if self.strategy == "sample":  # the default strategy ignores masks: use the one that applies them
+                object.__setattr__(self, "strategy", "constrained")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
+            raise InputError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")
         if self.cache_len is not None and int(self.cache_len) < 1:
-            raise ValueError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
+            raise InputError(f"GenerationConfig.cache_len must be >= 1 or None; got {self.cache_len!r}")
         if self.kv_cache is not None:
             KV_CACHE.check(self.kv_cache, field="GenerationConfig.kv_cache")
         DECODE_STRATEGY.check(self.strategy, field="GenerationConfig.strategy")

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from pallasite.errors import InputError
 from pallasite.inference.config import GenerationConfig, cache_kind
 from pallasite.inference.sampling import SamplingParams, SamplingSpec, sample
 from pallasite.ops.common import round_up
@@ -187,34 +188,47 @@ def forward_with_cache(graphdef, state, cache, tokens_BT, positions_BT):
 # ----------------------------------------------------------------------------- host side
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, pad_id: int, max_new_tokens: int,
-                    cache_len: Optional[int]):
-    """Validate and right-pad. Returns (tokens_BT int32, lengths_B int32, cache_len)."""
+                    cache_len: Optional[int], max_seq_len: Optional[int] = None):
+    """Validate and right-pad. Returns (tokens_BT int32, lengths_B int32, cache_len).
+
+    A prompt, or a prompt plus ``max_new_tokens``, longer than the model's context ``max_seq_len``
+    (positions past it were never trained) or than the KV cache is an ``InputError`` naming both
+    lengths."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"prompts must be a non-empty list of token-id lists; got {type(prompts).__name__}")
+        raise InputError(f"prompts must be a non-empty list of token-id lists; got {type(prompts).__name__}")
     rows = []
     for i, p in enumerate(prompts):
         arr = np.asarray(p)
         if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids; got shape {arr.shape}")
+            raise InputError(f"prompt {i} must be a non-empty 1-D list of token ids; got shape {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token ids; got dtype {arr.dtype}")
+            raise InputError(f"prompt {i} must hold integer token ids; got dtype {arr.dtype}")
         if arr.min() < 0 or arr.max() >= vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {arr.min()}, max {arr.max()}")
+            raise InputError(f"prompt {i} has token ids outside [0, {vocab_size}): min {arr.min()}, max {arr.max()}")
         rows.append(arr.astype(np.int32))
     if int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     lengths = np.array([len(r) for r in rows], np.int32)
     longest = int(lengths.max())
+    i = int(lengths.argmax())
     need = longest + int(max_new_tokens)
+    if max_seq_len is not None:
+        if longest > max_seq_len:
+            raise InputError(f"prompt {i} has {longest} tokens, longer than the model's context "
+                             f"of {max_seq_len} tokens (ModelConfig.max_seq_len); shorten it to "
+                             f"at most {max_seq_len - 1}")
+        if need > max_seq_len:
+            raise InputError(
+                f"prompt {i} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                f"exceeds the model's context of {max_seq_len} tokens (ModelConfig.max_seq_len); ask for at most "
+                f"{max_seq_len - longest} new tokens or shorten the prompt")
     if cache_len is None:
         cache_len = round_up(need, CACHE_BUCKET)
     cache_len = int(cache_len)
     if longest > cache_len:
-        i = int(lengths.argmax())
-        raise ValueError(f"prompt {i} has {longest} tokens, longer than the KV cache ({cache_len} positions)")
+        raise InputError(f"prompt {i} has {longest} tokens, longer than the KV cache ({cache_len} positions)")
     if need > cache_len:
-        i = int(lengths.argmax())
-        raise ValueError(
+        raise InputError(
             f"prompt {i} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the KV cache "
             f"length {cache_len}; pass a larger cache_len or fewer max_new_tokens")
     T = min(round_up(longest, PREFILL_BUCKET), cache_len)
@@ -246,9 +260,11 @@ def run_decode(graphdef, state, cfg, prompts, gen: GenerationConfig, *, strategy
     pad_id = gen.pad_id if gen.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     pad_id = int(pad_id)
     max_new_tokens = gen.max_new_tokens
-    tokens_BT, lengths_B, cache_len = prepare_prompts(
-        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens, cache_len=gen.cache_len)
+    # the cache options are validated before the prompts (a bad option is named first)
     factory = cache_factory or make_cache_factory(cfg, gen, model)
+    tokens_BT, lengths_B, cache_len = prepare_prompts(
+        prompts, vocab_size=cfg.vocab_size, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        cache_len=gen.cache_len, max_seq_len=cfg.max_seq_len)
     cache = factory(cfg, tokens_BT.shape[0], cache_len)
     stops = _stop_array(cfg.eos_token_id if gen.stop_tokens is None else gen.stop_tokens)
     s = prefill(graphdef, state, cache, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), key, stops,

@@ -1,31 +1,16 @@
-"""LUT-mode MoLE inference: per-step row transfer wired into the pure forward.
+"""LUT-mode MoLE inference: the step's LUT rows reach the device inside the pure forward
+(Jie et al., ICML 2025, §3.3 / Fig. 1: the device holds the dense model plus the routers; each
+token's ``L·N·d`` values come from where the LUT lives).
 
-Paper: Jie et al., "Mixture of Lookup Experts", ICML 2025, §3.3 / Fig. 1: at inference the
-experts are lookups; the rows ``LUT[ids]`` of the tokens being processed are fetched from where
-the LUT lives (host RAM or disk) and moved to the device — ``L·N·d`` values per token — while
-the device holds only the dense model plus the routers.
-
-* ``with_lut_rows(model, rows_BTLND)`` returns the LUT-mode model with one step's rows in its
-  ``LUTRows`` variables (list or scan layout; functional, valid inside any trace).
-* ``lut_forward(graphdef, state, rows_BTLND, tokens_BT, ...)`` is the pure forward of a LUT-mode
-  model: ``core forward`` with the rows injected — same signature plus the rows; jit it.
-* ``serve_with_store(lut_model, store)`` wraps a LUT-mode model so that it fetches its rows
-  itself through ONE host callback per forward; the project's one generation engine
-  (``inference/engine.py``: jitted prefill, ``while_loop`` decode) runs it unchanged — there is
-  no MoLE-specific decode loop. Per step the callback receives the ids, the store gathers
-  exactly those rows (from RAM or the memory-mapped file) and hands them to the device.
-* ``serve_in_host_memory(lut_model, store)`` — the offloaded path without a callback: the LUT
-  arrays are placed in the backend's *host* memory space (memory kind ``pinned_host``; XLA's
-  host-offloading memory space S(5)), and the compiled graph itself gathers the step's rows
-  there (``compute_on("device_host")``) and moves only those rows to device memory
-  (``device_put(..., Space.Device)``). A host callback costs a Python round trip per step
-  (≈ 150–250 µs on XLA:CPU, measured: 30× the gather itself); this path is one in-graph gather,
-  so MoLE's offloaded decode costs what the lookup costs. The host arrays are not parameters and
-  not device-resident: device memory holds the dense model + routers + one step's rows.
-  Deviation / scope: verified on XLA:CPU (where both memory spaces are the same RAM, so the
-  measurement is the mechanism's overhead, not PCIe); on GPU/TPU the same program is XLA's
-  host-offload path, which we have not run on an accelerator — ``serve_with_store`` (callback)
-  remains the portable fallback and the only path for a memory-mapped file.
+* ``with_lut_rows(model, rows_BTLND)`` / ``lut_forward(...)``: a LUT-mode model with one step's rows.
+* ``serve_with_store(lut_model, store)``: one host callback per forward fetches the rows (RAM or a
+  memory-mapped file); the one generation engine runs the model unchanged.
+* ``serve_in_host_memory(lut_model, store)``: the LUT in the backend's host memory space
+  (``pinned_host``); the compiled graph gathers the rows there (``compute_on("device_host")``) and
+  moves only them to the device, with no Python round trip per step.
+* ``serve_on_device(lut_model, lut)``: the whole LUT in device memory (no offloading).
+Scope: the host-memory path was verified on XLA:CPU only, where both memory spaces are one RAM;
+on GPU/TPU it is XLA's host-offload path, not yet run there. Figures: docs/experts.md.
 """
 
 from __future__ import annotations
@@ -49,10 +34,12 @@ def with_lut_rows(model, rows_BTLND: jax.Array):
     cfg = model.cfg
     m = mole_config_of(cfg)
     if m.mode != "lut":
-        raise ValueError("with_lut_rows: the model is not in LUT mode (mole.mode='lut'); use models.mole_lut.to_lut_model")
+        raise ValueError("with_lut_rows: the model is not in LUT mode (mole.mode='lut'); "
+                         "use models.mole_lut.to_lut_model")
     want = (cfg.n_layers, m.n_experts, cfg.d_model)
     if rows_BTLND.ndim != 5 or tuple(rows_BTLND.shape[2:]) != want:
-        raise ValueError(f"with_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
+        raise ValueError(f"with_lut_rows: rows have shape {tuple(rows_BTLND.shape)}, "
+                         f"expected [B, T, {want[0]}, {want[1]}, {want[2]}]")
     graphdef, rows_state, rest = nnx.split(model, LUTRows, ...)
     new = []
     for path, var in nnx.to_flat_state(rows_state):

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.errors import InputError
+
 MASKED = -jnp.inf
 
 
@@ -108,20 +110,25 @@ class SamplingParams:
     def make(batch: int, temperature=0.0, top_k: Optional[int] = None, top_p: Optional[float] = None):
         """Build per-row params and the static spec from user-facing scalars or per-row lists."""
 
-        def rows(value, default, dtype, name, valid):
-            arr = np.asarray(default if value is None else value, dtype)
+        def rows(value, default, dtype, name, valid, expected):
+            try:
+                arr = np.asarray(default if value is None else value, dtype)
+            except (TypeError, ValueError):
+                raise InputError(f"{name} must be {expected} (a scalar or one per prompt); "
+                                 f"got {value!r}") from None
             if arr.ndim == 0:
                 arr = np.broadcast_to(arr, (batch,))
             if arr.shape != (batch,):
-                raise ValueError(f"{name} must be a scalar or a list of {batch} values (one per prompt); got shape {arr.shape}")
+                raise InputError(f"{name} must be a scalar or a list of {batch} values (one per "
+                                 f"prompt); got shape {arr.shape}")
             bad = [v for v in arr.tolist() if not valid(v)]
             if bad:
-                raise ValueError(f"{name} has invalid value(s) {bad[:4]}")
+                raise InputError(f"{name} must be {expected}; got {bad[:4]}")
             return jnp.asarray(arr)
 
-        t = rows(temperature, 0.0, np.float32, "temperature", lambda v: v >= 0)
-        k = rows(top_k, 0, np.int32, "top_k", lambda v: v >= 0)
-        p = rows(top_p, 1.0, np.float32, "top_p", lambda v: 0.0 < v <= 1.0)
+        t = rows(temperature, 0.0, np.float32, "temperature", lambda v: v >= 0, ">= 0 (0 = greedy)")
+        k = rows(top_k, 0, np.int32, "top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)")
+        p = rows(top_p, 1.0, np.float32, "top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1] (1 = off)")
         greedy_only = bool(np.all(np.asarray(t) == 0))
         spec = SamplingSpec(
             greedy_only=greedy_only,

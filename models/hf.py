@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallasite.errors import DataError, UserError
 from pallasite.models.config import ModelConfig
 from pallasite.models.hf_config import config_from_hf, config_to_hf
 from pallasite.models.transformer import abstract_model
@@ -37,7 +38,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """The checkpoint does not match the model the config describes (missing/extra/misshaped)."""
 
 
@@ -119,24 +120,80 @@ def _flat_values(state) -> dict[tuple, Any]:
 
 # --------------------------------------------------------------------------- reading
 
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_file(file_path: str) -> None:
+    """Raise ``DataError`` naming ``file_path`` and what is wrong if it is not a complete
+    safetensors file: empty, truncated (header or tensor data), or another format. Reads only the
+    8-byte length and the JSON header."""
+    size = os.path.getsize(file_path)
+    fix = "re-download or re-export it"
+    if size == 0:
+        raise DataError(f"{file_path}: the file is empty (0 bytes); expected a safetensors file; "
+                        f"{fix}")
+    with open(file_path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise DataError(f"{file_path}: truncated: {size} bytes, fewer than the 8-byte header "
+                            f"length of a safetensors file; {fix}")
+        n = int.from_bytes(head, "little")
+        first = f.read(1)
+        if n > _MAX_HEADER_BYTES or first != b"{":
+            raise DataError(f"{file_path}: not a safetensors file (it does not start with an 8-byte "
+                            f"header length and a JSON header; first bytes {head + first!r})")
+        f.seek(8)
+        if n > size - 8:
+            raise DataError(f"{file_path}: truncated: the header needs {n:,} bytes after the first "
+                            f"8, the file has {size - 8:,}; {fix}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DataError(f"{file_path}: not a safetensors file (its header is not JSON)") \
+                from None
+    if not isinstance(header, dict):
+        raise DataError(f"{file_path}: not a safetensors file (its header is not a JSON object)")
+    ends = [int(v["data_offsets"][1]) for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise DataError(f"{file_path}: truncated: its {len(ends)} tensors need {need:,} bytes, "
+                        f"the file has {size:,}; {fix}")
+
+
 class _Reader:
-    """Tensor access over one or several safetensors files, tracking what was consumed."""
+    """Tensor access over one or several safetensors files, tracking what was consumed. Every file
+    is checked first (``check_safetensors_file``) so a damaged one fails naming it."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.path = path
         index = os.path.join(path, SAFETENSORS_INDEX)
         single = os.path.join(path, SAFETENSORS_SINGLE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise DataError(f"{index}: not a safetensors index (expected JSON with a "
+                                f"'weight_map' of tensor name -> shard file)") from None
+            missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+            if missing:
+                raise DataError(f"{index} names shard(s) that are not in {path}: {missing[:4]}")
         elif os.path.exists(single):
             files, weight_map = [SAFETENSORS_SINGLE], None
         else:
             raise FileNotFoundError(f"{path}: neither {SAFETENSORS_SINGLE} nor {SAFETENSORS_INDEX} found")
-        self.handles = {fn: safe_open(os.path.join(path, fn), framework="numpy") for fn in files}
+        self.handles = {}
+        for fn in files:
+            file_path = os.path.join(path, fn)
+            check_safetensors_file(file_path)
+            try:
+                self.handles[fn] = safe_open(file_path, framework="numpy")
+            except SafetensorError as e:  # what the header check cannot see (bad offsets, dtypes)
+                raise DataError(f"{file_path}: not a readable safetensors file ({e})") from None
         self.where: dict[str, str] = {}
         for fn, h in self.handles.items():
             for k in h.keys():
@@ -181,8 +238,16 @@ def _check_cover(got: Mapping, expected: Mapping, where: str):
 
 
 def read_hf_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    file_path = os.path.join(path, "config.json")
+    with open(file_path) as f:
+        try:
+            config = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{file_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{file_path}: expected a JSON object of model settings, "
+                        f"got {type(config).__name__}")
+    return config
 
 
 def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg: Optional[ModelConfig] = None):
@@ -303,6 +368,15 @@ def state_to_hf_tensors(cfg: ModelConfig, state) -> dict[str, np.ndarray]:
     return out
 
 
+def _save_with_umask(save_file, tensors, file_path: str, metadata: dict) -> None:
+    """safetensors' ``save_file`` creates files readable by their owner only (0600); give the
+    file the mode every other output gets, 0666 minus the user's umask."""
+    save_file(tensors, file_path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file_path, 0o666 & ~umask)
+
+
 def export_hf(cfg: ModelConfig, state, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write an HF folder: config.json, generation_config.json and safetensors (sharded with
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``)."""
@@ -335,12 +409,12 @@ def export_hf(cfg: ModelConfig, state, path: str, *, max_shard_bytes: int = DEFA
             os.remove(os.path.join(path, stale))
     meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SAFETENSORS_SINGLE), metadata=meta)
+        _save_with_umask(save_file, shards[0], os.path.join(path, SAFETENSORS_SINGLE), meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fn), metadata=meta)
+        _save_with_umask(save_file, shard, os.path.join(path, fn), meta)
         weight_map.update({k: fn for k in shard})
     index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))}, "weight_map": weight_map}
     with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:

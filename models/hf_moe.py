@@ -1,31 +1,14 @@
 """Hugging Face MoE checkpoints ⇄ pallasite: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 Registers the four ``model_type``s (``HF_MODEL_TYPE``) and the ``moe`` FFN tensor mapping
-(``HF_FFN``); ``import_hf`` / ``export_hf`` then work as for dense models. Family conventions
-(router → ``MoEConfig``):
-
-=========== ============================== ==================== ========================
-model_type  expert tensors on disk         gating               extras
-=========== ============================== ==================== ========================
-mixtral     block_sparse_moe.experts.E.    softmax→top-k→renorm  router_jitter_noise must be 0
-            w1 (gate) / w3 (up) / w2 (down)
-            block_sparse_moe.gate
-qwen2_moe   mlp.experts.E.{gate,up,down}_  softmax→top-k,        q/k/v bias; shared expert
-            proj, mlp.gate                 renorm iff            mlp.shared_expert.* with
-                                           norm_topk_prob        sigmoid mlp.shared_expert_gate
-qwen3_moe   same names as qwen2_moe        same                  per-head q/k RMSNorm; no shared
-olmoe       same names as qwen2_moe        softmax→top-k (no     q/k RMSNorm over the whole
-                                           renorm by default)    projection (qk_norm_scope=full)
-=========== ============================== ==================== ========================
-
-transformers v5 keeps fused ``experts.gate_up_proj [E, 2F, D]`` / ``experts.down_proj [E, D, F]``
-in memory but ``save_pretrained`` writes the legacy per-expert names above (ENVIRONMENT.md
-§2d); we read either layout and write the per-expert one (what transformers loads back).
-Our stacked ``w_gate/w_up [E, D, F]`` and ``w_down [E, F, D]`` are the transposes of HF's
-per-expert ``[out, in]`` Linear weights; the router ``[D, E]`` is the transpose of ``gate``.
-
-Rejected (error naming the key): layers without experts (``decoder_sparse_step != 1`` or
-``mlp_only_layers``), Mixtral router jitter, OLMoE ``clip_qkv``.
+(``HF_FFN``), so ``import_hf`` / ``export_hf`` work as for dense models. Gating: Mixtral softmax →
+top-k → renormalise; Qwen2/3-MoE renormalise iff ``norm_topk_prob`` (Qwen2-MoE adds a
+sigmoid-gated shared expert); OLMoE does not renormalise and norms q/k over the whole projection.
+Reads transformers' fused ``experts.gate_up_proj`` / ``down_proj`` or the per-expert names and
+writes the per-expert names (what ``save_pretrained`` writes). Our stacked ``w_gate``/``w_up``
+[E, D, F], ``w_down`` [E, F, D] and router [D, E] are transposes of HF's ``[out, in]`` weights.
+Refused, naming the key: layers without experts, Mixtral router jitter, OLMoE ``clip_qkv``.
+The per-family tensor table is in docs/checkpoints.md.
 """
 
 from __future__ import annotations

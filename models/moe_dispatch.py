@@ -1,43 +1,16 @@
-"""Expert-parallel MoE dispatch with ``jax.shard_map`` + ``all_to_all``: standard and Occult.
+"""Expert-parallel MoE dispatch with ``jax.shard_map`` + ``all_to_all``: standard and Occult
+(Luo et al., ICML 2025, "collaborative communication").
 
-Experts are split contiguously over the mesh axis ``expert`` (device d holds experts
-``[d·E_loc, (d+1)·E_loc)``, ``E_loc = E / N_d``); tokens are sharded over the batch axes
-(which include ``expert``: outside the MoE layer the expert axis is data parallel).
-Routing (top-k ids, gate weights, capacity keep-mask) is computed *before* the
-``shard_map`` by the layer, so it equals the single-device routing bit for bit.
-
-Per device the pipeline is::
-
-    plan  : every kept (token n, slot k) pair → (destination device d, buffer row r, slot s)
-    send  : x_send[d, r] = x[n];  e_send[d, r, s] = local expert id;  w_send[d, r, s] = weight
-    a2a   : all_to_all over `expert` (tiled, split/concat axis 0) of x_send, e_send, w_send
-    local : y_recv[r] = Σ_s w_send[r,s] · Expert_{e_send[r,s]}(x_recv[r])   (sort + grouped matmul)
-    a2a   : return y_recv to the source devices
-    combine: out[n] = Σ_k c[n,k] · y_back[d(n,k), r(n,k)]
-
-The two modes differ **only in the plan** (what is sent), not in the layer:
-
-* ``standard`` — one buffer row per (token, expert) pair: r ranks the pair among the pairs
-  going to d, s = 0, w_send = 1, and the gate weight is applied at the source in combine
-  (c = gate weight). Rows sent per token = number of kept experts.
-* ``occult`` (Luo et al., ICML 2025, "collaborative communication") — one buffer row per
-  (token, distinct destination device): r ranks the (token, device) pair, s ranks the
-  token's experts *on that device*, w_send carries the gate weights, the expert device sums
-  its local experts' gate-weighted outputs **before** the return all-to-all (so the combine
-  also moves one vector per (token, device)), and c = 1 on the first slot of each (token,
-  device) pair, 0 elsewhere. Rows sent per token = CT(token) = number of distinct devices.
-
-Buffers have static shapes (``ragged_all_to_all`` is not implemented on XLA:CPU): rows per
-(source, destination) pair = ``N_loc · min(k, E_loc)`` for standard and ``N_loc`` for Occult
-— the worst case, so no pair is ever dropped by the dispatch itself and the result equals the
-single-device layer (drops, if any, come only from the layer's capacity mode, identically in
-both). With a capacity ``C`` per (sequence, expert) the rows are also bounded by
-``B_loc · C · E_loc``. The bytes a ragged transport would really send are counted from the
-routing by ``models/occult_accounting.py``.
-
-Scatter/gather discipline: the token rows are *gathered* (``x[src_token[d, r]]``), never
-scattered with duplicates, so autodiff transposes to a correct scatter-add even when Occult
-writes one row for several experts.
+Experts are split contiguously over the mesh axis ``expert``; routing is computed before the
+``shard_map``, so it equals the single-device routing bit for bit. Per device: plan (each kept
+(token, slot) → destination device, buffer row, slot), send, all_to_all, local experts (sort +
+grouped matmul), all_to_all back, combine. The modes differ only in the plan: ``standard`` sends
+one row per (token, expert) and applies the gate at the source; ``occult`` sends one row per
+(token, distinct device) and the expert device sums its local experts' gate-weighted outputs
+before the return trip (rows per token = CT(token)). Buffers have static worst-case shapes
+(XLA:CPU has no ragged all_to_all), so the dispatch itself never drops a token; the bytes a ragged
+transport would send are counted by ``models/occult_accounting.py``. Token rows are gathered,
+never scattered with duplicates, so autodiff is exact. Design notes: docs/moe.md ("Notes").
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
-"""Mixture of Lookup Experts (MoLE) — Jie et al., "Mixture of Lookup Experts", ICML 2025
-(arXiv 2503.15798; official code github.com/JieShibo/MoLE, read: ``modeling_mole.py``,
-``modeling_mole_rep.py``, ``reparameterize.py``).
+"""Mixture of Lookup Experts FFN (``ffn="mole"``) — Jie et al., "Mixture of Lookup Experts",
+ICML 2025 (arXiv 2503.15798; official code github.com/JieShibo/MoLE). For layer ``l``::
 
-The FFN of every decoder layer ``l`` (registered as ``ffn="mole"``, sub-config ``ModelConfig.mole``)::
+    u = RMSNorm_post(h);   g = softmax(u · R_l)          # float32, all N experts, no top-k
+    E_lj = W_down^{lj} · GELU(W_up^{lj} · RMSNorm_l(e))  # e = the embedding-layer output
+    out = h + FFN_shared(u) + Σ_j g_j · E_lj
 
-    u      = RMSNorm_post(h)                      # done by the Block (post_attn_norm)
-    g      = softmax(u · R_l)                     # R_l ∈ R^{d×N}; float32; ALL N experts (no top-k)
-    n_l    = RMSNorm_l(e)                         # e = embedding-layer output, a per-layer norm
-    E_lj   = W_down^{lj} · GELU(W_up^{lj} · n_l)  # non-gated 2-matrix MLP, exact erf GELU
-    out    = h + FFN_shared(u) + Σ_j g_j · E_lj(n_l)
-
-``FFN_shared`` is the same non-gated GELU MLP of width D_s on ``u``; the experts have width
-D_r (``d_expert``, default D_r = D_s as in the paper's Table 2). There is no auxiliary loss:
-the FFN's aux dict is always empty, so training minimises cross-entropy only (paper §3; the
-ablation in Table 8 shows that load-balancing / z-losses hurt).
-
-Because the experts see only ``e`` (a function of the token id), after training each expert is
-re-parameterised into a lookup table ``LUT[id, l, j] = E_lj(RMSNorm_l(Embed[id]))`` of layout
-``[vocab, layer, expert, d]`` (``models/mole_lut.py``). In ``mode="lut"`` this module holds
-**no** expert parameters and no expert norm: it reads the rows of the current tokens from the
-``lut_rows`` variable ``[B, T, N, d]`` that the caller fills per step (see
-``inference/mole_decode.py``), so device-resident parameters are exactly the dense model's plus
-the routers (``d·N`` per layer).
-
-Defaults and deviations (all deliberate, all stated):
-
-* ``n_experts = 4`` (the paper trains N = 4 and 16); ``d_expert = None`` → D_r = ``cfg.d_ff``.
-* Router logits are computed in float32 (issue / paper text). The official code computes
-  the router matmul in the activation dtype and only the softmax in float32; identical in fp32.
-* The gate weights ``g`` are cast to the compute dtype before the weighted sum, as in the
-  official ``router_value.to(hidden_states.dtype)``.
-* ``n_experts = 0`` gives the paper's *dense* baseline (Pythia-style non-gated GELU MLP of
-  width D_s, no router): the core ``DenseFFN`` is SwiGLU, so this keeps the dense baseline
-  architecturally identical to MoLE minus the experts (needed for the equal-activated-
-  parameter comparisons and for the "device bytes = dense + routers" check).
-* Training-mode compute (exact rewrites, same values and gradients up to float summation order,
-  ``tests/models/test_mole.py::test_dedup_training_path_equals_all_tokens_path``): the gate-weighted
-  expert sum is two plain GEMMs over the experts' flattened weights (``mixed_experts_forward``)
-  and the experts' up-projection + GELU run once per distinct token id of the batch
-  (``dedup_mixed_experts``, ``MoLEConfig.dedup_fraction``). The official code runs every expert on
-  every token; the result is the same because the experts only see the id's embedding.
-* Parameters follow the seams: the shared FFN uses ``make_linear`` (so FP4 / W4A4 linear kinds
-  apply to it), the router and the stacked experts are plain parameters (they are never
-  quantized: experts vanish into the LUT before inference).
+The shared FFN (width D_s = ``d_ff``) and the experts (width D_r = ``d_expert`` or ``d_ff``) are
+non-gated exact-GELU MLPs; there is no auxiliary loss. The experts see only ``e``, so after
+training they become a lookup table ``LUT[id, l, j]`` (``models/mole_lut.py``): in ``mode="lut"``
+the module holds no expert weights and reads the step's rows from ``lut_rows`` [B, T, N, d].
+Defaults: ``n_experts=4``, D_r = D_s. Deviations: the router matmul runs in float32 (official:
+activation dtype, softmax in float32); ``n_experts=0`` is the paper's non-gated dense baseline;
+training runs each expert once per distinct token id (an exact rewrite). docs/experts.md.
 """
 
 from __future__ import annotations

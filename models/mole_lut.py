@@ -1,35 +1,15 @@
-"""MoLE re-parameterisation (params → lookup table), LUT stores and LUT quantization.
+"""MoLE re-parameterisation (params → lookup table), LUT stores and LUT quantization — Jie et al.,
+ICML 2025, §3.2 and §4.4 (official ``reparameterize.py``).
 
-Paper: Jie et al., "Mixture of Lookup Experts", ICML 2025, §3.2 (re-parameterisation) and §4.4
-(LUT quantization); official ``reparameterize.py`` runs every expert over
-``expert_layernorm(embed_tokens.weight)`` and stores one table of width ``L·N·d`` saved with
-``.half()``. Here:
-
-* ``build_lut(model)`` → ``np.ndarray [vocab, layer, expert, d]`` (the official layout; rows are
-  contiguous per token, so one token's rows for all layers are one read), computed with the
-  same pure function the training-mode FFN uses (``mole.experts_forward``), in vocab chunks.
-* ``to_lut_model(model)`` → the same model with ``mole.mode="lut"``: expert weights and expert
-  norms are dropped; the rest (dense model + routers) is shared.
-* Stores, all with one interface (``fetch(ids) → host payload``, ``decode(device payload) →
-  rows [..., L, N, d]``): ``HostLUT`` (in host RAM), ``open_lut(path)`` (a memory-mapped file
-  on disk: only the pages of the requested rows are read), each optionally NF4 / NF3
-  quantized. Only the rows of the tokens being processed cross to the device per step.
-* File format (``save_lut``): 8-byte magic ``PLSLUT01``, a little-endian u64 header length, a
-  JSON header (format version, vocab, layers, experts, d_model, dtype, quant kind/block, the
-  data section's byte length and SHA-256, and a fingerprint of the model it was built from),
-  zero padding to a 4096-byte boundary, then the data. ``open_lut`` checks all of it and
-  raises ``LUTFileError`` naming the file and the mismatch — a missing, truncated, corrupted
-  or other-model file fails at load, never as garbage at decode.
-
-LUT quantization (paper §4.4, Table 9): NormalFloat (Dettmers et al., QLoRA) with *token-wise*
-blocks — each token's flattened ``L·N·d`` row is cut into blocks of ``block`` values, each with
-its own absmax scale (stored float16); blocks never span two tokens, so a fetch moves only the
-requested tokens' codes and scales. Paper defaults: NF4 with block 768 and NF3 with block 128
-(reported storage 25.3% and 19.5% of FP16). NF-k levels follow QLoRA's construction (normal
-quantiles, offset 0.9677083, an exact zero, normalised to [-1, 1]); for k = 4 this is the
-bitsandbytes NF4 table. NF3 uses the same construction with k = 3 (the paper does not list its
-NF3 levels — deviation noted). Codes are bit-packed 8 codes per ``k`` bytes and unpacked on the
-device, so the bytes moved per token shrink with the storage.
+``build_lut(model)`` gives ``[vocab, layer, expert, d]`` (the official layout) with the training
+FFN's own ``mole.experts_forward``; ``to_lut_model`` drops the expert weights and norms. Stores
+share one interface (``fetch(ids)`` on the host, ``decode(payload)`` on the device): ``HostLUT``
+(RAM) and ``open_lut`` (a memory-mapped ``save_lut`` file whose header — magic, shape, dtype,
+quantization, data SHA-256, model fingerprint — is checked; ``LUTFileError`` names the file and
+the mismatch). Quantization: NormalFloat levels (QLoRA) over token-wise blocks of ``block`` values,
+one float16 absmax scale each, codes bit-packed; paper defaults NF4 / block 768, NF3 / block 128.
+Deviation: the paper lists no NF3 levels; ours follow QLoRA's construction with k = 3.
+File format and figures: docs/experts.md.
 """
 
 from __future__ import annotations

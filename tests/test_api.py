@@ -8,6 +8,7 @@ import pytest
 
 import pallasite
 from pallasite import cli
+from pallasite.errors import InputError
 
 torch = pytest.importorskip("torch")
 from pallasite.testing import make_tiny_hf_model, pt_greedy, pt_logits  # noqa: E402
@@ -36,9 +37,11 @@ def test_load_logits_and_generate_match_torch(tiny_hf):
     want = pt_greedy(torch_model, ids, 8)[0].tolist()
     ids_only = pallasite.Model(model.config, model.state)  # no tokenizer → ids come back
     assert pallasite.generate(ids_only, [ids[0].tolist()], max_new_tokens=8, stop_tokens=[]) == [want]
-    # With a tokenizer the API returns text: the decoded greedy tokens.
-    got = pallasite.generate(model, [ids[0].tolist()], max_new_tokens=8, stop_tokens=[])
-    assert isinstance(got[0], str) and got[0] == model.decode(want)
+    # Token ids in, token ids out, with a tokenizer too (the README's contract); text in, text out.
+    assert pallasite.generate(model, [ids[0].tolist()], max_new_tokens=8, stop_tokens=[]) == [want]
+    text = model.decode(ids[0].tolist())
+    got = pallasite.generate(model, [text, ids[0].tolist()], max_new_tokens=8, stop_tokens=[])
+    assert isinstance(got[0], str) and got[1] == want
 
 
 def test_save_orbax_and_hf_round_trip(tiny_hf, tmp_path):
@@ -71,6 +74,22 @@ def test_bad_inputs_fail_clearly(tiny_hf, tmp_path):
     # Token-id prompts without a tokenizer return ids.
     out = pallasite.generate(no_tok, [[1, 2, 3]], max_new_tokens=3, stop_tokens=[])
     assert len(out[0]) == 3 and all(isinstance(t, int) for t in out[0])
+    with pytest.raises(InputError, match=r"prompt 0 \(''\) is empty"):
+        pallasite.generate(model, [""], max_new_tokens=2)
+    # Ragged rows are named (numpy would say "inhomogeneous shape" or make an object array).
+    with pytest.raises(InputError, match=r"rows have different lengths \[2, 3\]"):
+        model.logits([[1, 2, 3], [4, 5]])
+
+
+def test_logits_of_packed_rows_equal_each_document_alone(tiny_hf):
+    """positions / segment_ids: two documents packed in one row score as if alone."""
+    model = pallasite.load(tiny_hf[1])
+    a, b = [5, 17, 42, 99], [3, 250, 7]
+    packed = model.logits([a + b], positions=[[0, 1, 2, 3, 0, 1, 2]], segment_ids=[[1, 1, 1, 1, 2, 2, 2]])
+    np.testing.assert_allclose(np.asarray(packed[0, 4:]), np.asarray(model.logits([b])[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(packed[0, :4]), np.asarray(model.logits([a])[0]), atol=1e-5)
+    unpacked = model.logits([a + b])
+    assert not np.allclose(np.asarray(unpacked[0, 4:]), np.asarray(model.logits([b])[0]), atol=1e-3)
 
 
 def test_cli_convert_generate_eval(tiny_hf, tmp_path, capsys):
@@ -129,5 +148,7 @@ def test_mole_lut_serving_api_and_cli(tiny_hf, tmp_path, capsys):
         pallasite.serve_lut(pallasite.load(tiny_hf[1]), "host")
     with pytest.raises(ValueError, match="where='gpu'"):
         pallasite.serve_lut(model, "gpu")
-    with pytest.raises(SystemExit, match="not a MoLE model"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         cli.main(["lut", "--model", tiny_hf[1], "--output", str(tmp_path / "x.lut")])
+    assert e.value.code == 1 and "not a MoLE model" in capsys.readouterr().err

@@ -20,6 +20,8 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from pallasite.errors import ResumeError
+
 ITEMS = ("state", "data", "config")
 
 
@@ -43,6 +45,12 @@ class Checkpointer:
             force=force,
         )
 
+    def saved_config(self, step: int) -> dict:
+        """The experiment config saved with ``step`` (read alone: no state, no shapes to match)."""
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        out = self.manager.restore(int(step), args=args)
+        return dict(out["config"])
+
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         """(state with the abstract state's shardings, data-iterator state, config dict)."""
         try:
@@ -52,7 +60,7 @@ class Checkpointer:
                                         config=ocp.args.JsonRestore()),
             )
         except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {self.directory}/{step} does not match the model being trained "
+            raise ResumeError(f"checkpoint {self.directory}/{step} does not match the model being trained "
                              f"(different config?): {e}") from e
         _check_shapes(abstract_state, out["state"])
         return out["state"], dict(out["data"]), dict(out["config"])
@@ -71,9 +79,9 @@ def _check_shapes(expected: Any, restored: Any) -> None:
     for path, e in exp.items():
         name = jax.tree_util.keystr(path)
         if path not in got:
-            raise ValueError(f"checkpoint is missing tensor {name} (expected shape {tuple(e.shape)})")
+            raise ResumeError(f"checkpoint is missing tensor {name} (expected shape {tuple(e.shape)})")
         if tuple(got[path].shape) != tuple(e.shape):
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(got[path].shape)}, expected {tuple(e.shape)}")
+            raise ResumeError(f"checkpoint tensor {name} has shape {tuple(got[path].shape)}, expected {tuple(e.shape)}")
 
 
 __all__ = ["Checkpointer", "ITEMS"]

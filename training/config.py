@@ -25,11 +25,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import ml_collections
 
+from pallasite.errors import ConfigError
+
 ConfigDict = ml_collections.ConfigDict
-
-
-class ConfigError(ValueError):
-    """A bad config key or value (the message names the key and what was expected)."""
 
 
 # ----------------------------------------------------------------------------- schema
@@ -83,6 +81,8 @@ def train_defaults() -> ConfigDict:
         loss_config=ConfigDict(),  # its sub-config fields
         sample_prompt="def ",
         sample_tokens=48,
+        sample_temperature=0.0,  # 0 = greedy
+        sample_top_p=1.0,  # nucleus sampling when < 1 (and temperature > 0)
     ))
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
     c.sharding_rules = ()  # ((logical_axis, mesh_axes), ...) overriding sharding.DEFAULT_RULES
@@ -147,7 +147,8 @@ def load_config(path_or_module, arg: Optional[str] = None, overrides: Sequence[s
             raise ConfigError(f"config {spec!r} defines no get_config(arg)")
         config = module.get_config(arg) if arg is not None else module.get_config()
         if not isinstance(config, ConfigDict):
-            raise ConfigError(f"{spec}: get_config must return an ml_collections.ConfigDict, got {type(config).__name__}")
+            raise ConfigError(f"{spec}: get_config must return an ml_collections.ConfigDict, "
+                              f"got {type(config).__name__}")
     return apply_overrides(config, overrides)
 
 

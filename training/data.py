@@ -1,33 +1,15 @@
 """Corpora, deterministic sequence packing and a resumable batch iterator.
 
-Sources (each yields ``Document(doc_id, text)`` in a fixed order):
-
-* ``stdlib`` — the local Python standard library's ``.py`` sources
-  (``sysconfig.get_paths()['stdlib']``), test suites, ``site-packages`` and ``idlelib`` excluded;
-  needs no download and exists on every machine with Python.
-* ``text`` — plain text files (paths or globs), one document per file.
-* ``jsonl`` — one JSON object per line, document text in a named field.
-
-Held-out split: a document belongs to eval iff ``crc32(doc_id) % 100 < heldout_percent`` — fixed
-per file (or per jsonl line), independent of the seed and of the other documents. ``max_bytes``
-keeps a deterministic subset (documents in ``crc32`` order until the byte budget is spent), so a
-small budget is still a spread over the whole library rather than its first letters.
-
-Packing (``PackedDataset``): each document is tokenized to ``ids + [eos]``; per epoch the
-documents are concatenated in a seeded order and the stream is cut into rows of ``T + 1``
-tokens with stride ``T`` (every token is a target exactly once). For a row ``r``:
-``tokens = r[:T]``, ``targets = r[1:]``, ``segment_ids`` number the documents inside the row
-(1, 2, ...; attention never crosses a segment), ``positions`` restart at 0 at each segment (a
-document continued from the previous row restarts at 0 too — RoPE only sees relative offsets
-within the row anyway), and ``loss_mask`` is 0 where the target belongs to the next document
-(after an eos we do not ask the model to guess an unrelated file's first token). Rows are then
-shuffled with the same seeded generator and grouped into batches of ``B``; an epoch's leftover
-rows are dropped. Everything is numpy; nothing depends on the device count.
-
-The iterator's ``state()`` is ``{"epoch", "batch", "seed", "fingerprint"}`` (JSON); restoring it
-rebuilds that epoch's permutation and yields exactly the batch the saved run would have seen
-next. The fingerprint (token count, documents, T, B, seed) makes restoring onto different data
-fail loudly instead of silently changing the data order.
+Sources yield ``Document(doc_id, text)`` in a fixed order: ``stdlib`` (the local Python stdlib's
+``.py`` files, tests and site-packages excluded; always there), ``text`` (files or globs, one
+document per file), ``jsonl`` (one record per line, text in ``data.field``). Held-out split: a
+document is eval iff ``crc32(doc_id) % 100 < heldout_percent``; ``max_bytes`` keeps a deterministic
+subset spread over the corpus. Packing: ``ids + [eos]`` per document, concatenated per epoch in a
+seeded order, cut into rows of ``T + 1`` tokens with stride ``T``; ``segment_ids`` keep attention
+inside a document, ``positions`` restart per document, ``loss_mask`` drops targets across a
+document boundary; rows are shuffled and grouped into batches of ``B``. ``BatchIterator.state()``
+(epoch, batch, seed, data fingerprint) restores exactly the next batch, and refuses other data.
+``heldout_batches`` is the fixed eval set the loop and ``pallasite eval`` share. docs/training.md.
 """
 
 from __future__ import annotations
@@ -42,6 +24,8 @@ import zlib
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
+
+from pallasite.errors import ConfigError, DataError, InputError, ResumeError
 
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__",
                      "lib2to3", "turtledemo"}
@@ -128,9 +112,12 @@ def jsonl_documents(paths: Sequence[str], field: str = "text") -> list[Document]
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if field not in record:
-                    raise KeyError(f"{path}:{lineno}: jsonl record has no field {field!r}; fields: {sorted(record)}")
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or field not in record:
+                    fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path}:{lineno}: jsonl record has no field {field!r} "
+                                    f"(the text field; set it with data.field / --field); "
+                                    f"fields: {fields}")
                 docs.append(Document(f"{path}:{lineno}", str(record[field])))
     return docs
 
@@ -145,9 +132,9 @@ def load_documents(data_cfg) -> tuple[list[Document], list[Document]]:
     elif source == "jsonl":
         docs = jsonl_documents(list(data_cfg.paths), data_cfg.field)
     else:
-        raise ValueError(f"data.source={source!r}; expected stdlib | text | jsonl")
+        raise ConfigError(f"data.source={source!r}; expected stdlib | text | jsonl")
     if not docs:
-        raise ValueError(f"data.source={source!r} with paths={list(data_cfg.paths)} gave no documents")
+        raise ConfigError(f"data.source={source!r} with paths={list(data_cfg.paths)} gave no documents")
     if data_cfg.eval_paths:
         eval_docs = (jsonl_documents(list(data_cfg.eval_paths), data_cfg.field) if source == "jsonl"
                      else text_documents(list(data_cfg.eval_paths)))
@@ -158,8 +145,8 @@ def load_documents(data_cfg) -> tuple[list[Document], list[Document]]:
     train_docs = _take_budget(train_docs, data_cfg.max_train_bytes)
     eval_docs = _take_budget(eval_docs, data_cfg.max_eval_bytes)
     if not train_docs or not eval_docs:
-        raise ValueError(f"data split is empty: {len(train_docs)} train / {len(eval_docs)} eval documents "
-                         f"(heldout_percent={data_cfg.heldout_percent})")
+        raise ConfigError(f"data split is empty: {len(train_docs)} train / {len(eval_docs)} eval documents "
+                          f"(heldout_percent={data_cfg.heldout_percent})")
     return train_docs, eval_docs
 
 
@@ -183,7 +170,7 @@ def pack_stream(doc_tokens: Sequence[np.ndarray], order: np.ndarray, seq_len: in
     doc_of = np.repeat(np.arange(len(order), dtype=np.int64), [len(doc_tokens[i]) for i in order])
     n_rows = (len(stream) - 1) // T
     if n_rows <= 0:
-        raise ValueError(f"packing: {len(stream)} tokens cannot fill one row of seq_len={T} (+1 target)")
+        raise ConfigError(f"packing: {len(stream)} tokens cannot fill one row of seq_len={T} (+1 target)")
     idx = np.arange(n_rows)[:, None] * T + np.arange(T + 1)[None, :]  # [R, T+1], stride T
     row_tok, row_doc = stream[idx], doc_of[idx]
     tokens, targets = row_tok[:, :-1], row_tok[:, 1:]
@@ -211,7 +198,7 @@ class PackedDataset:
         self.num_tokens = int(sum(len(d) for d in self.doc_tokens))
         self.batches_per_epoch = ((self.num_tokens - 1) // self.seq_len) // self.batch_size
         if self.batches_per_epoch < 1:
-            raise ValueError(f"PackedDataset: {self.num_tokens} tokens give fewer than one batch of "
+            raise ConfigError(f"PackedDataset: {self.num_tokens} tokens give fewer than one batch of "
                              f"{self.batch_size} x {self.seq_len}; use more data or a smaller batch")
         h = hashlib.sha256()
         for d in self.doc_tokens:
@@ -282,10 +269,36 @@ class BatchIterator(Iterator[dict]):
 
     def restore(self, state: dict) -> None:
         if state.get("fingerprint") != self.dataset.fingerprint or state.get("seed") != self.dataset.seed:
-            raise ValueError(f"data iterator state {state} was saved for different data (fingerprint/seed "
+            raise ResumeError(f"data iterator state {state} was saved for different data (fingerprint/seed "
                              f"{state.get('fingerprint')}/{state.get('seed')}, this dataset has "
                              f"{self.dataset.fingerprint}/{self.dataset.seed}); the data order would change")
         self.epoch, self.index = int(state["epoch"]), int(state["batch"])
+
+
+def heldout_batches(data_cfg, tokenizer, eval_docs: Sequence[Document]) -> list[dict]:
+    """The fixed evaluation set of a run: the held-out documents tokenized with ``eos``, packed in
+    source order (no shuffling) into ``data.seq_len`` rows, the first ``data.eval_batches`` batches
+    of ``data.batch_size`` rows. The training loop and ``pallasite eval --data heldout`` use it."""
+    eos = int(tokenizer.eos_token_id)
+    ds = PackedDataset(tokenize_documents(tokenizer, eval_docs, eos), seq_len=data_cfg.seq_len,
+                       batch_size=data_cfg.batch_size, seed=0, shuffle=False)
+    return ds.first_batches(data_cfg.eval_batches)
+
+
+def describe_heldout(data_cfg, eval_docs: Sequence[Document], batches: Sequence[dict]) -> str:
+    """One line saying which documents and windows an evaluation used, so numbers are comparable."""
+    if data_cfg.eval_paths:
+        split = f"the eval_paths files ({len(eval_docs)} documents)"
+    else:
+        unit = "files" if data_cfg.source in ("stdlib", "text") else "lines"
+        split = (f"the {data_cfg.source} held-out split ({data_cfg.heldout_percent}% of {unit} by "
+                 f"crc32 of the path: {len(eval_docs)} documents")
+        split += f", {data_cfg.max_eval_bytes:,}-byte budget)" if data_cfg.max_eval_bytes else ")"
+    n_rows = sum(len(b["tokens"]) for b in batches)
+    scored = int(sum(float(b["loss_mask"].sum()) for b in batches))
+    return (f"{split}; {n_rows} packed windows of {data_cfg.seq_len} tokens ({len(batches)} "
+            f"batches of {data_cfg.batch_size}), {scored:,} scored tokens (targets across a "
+            f"document boundary not scored)")
 
 
 def unigram_entropy(batches: Iterable[dict]) -> float:
@@ -304,7 +317,8 @@ def unigram_entropy(batches: Iterable[dict]) -> float:
 
 
 __all__ = ["Document", "stdlib_documents", "stdlib_texts", "text_documents", "jsonl_documents", "load_documents",
-           "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy"]
+           "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy",
+           "heldout_batches", "describe_heldout"]
 
 
 def stdlib_texts(split: str = "all", heldout_percent: float = 5, max_bytes: int = 0) -> list[str]:
@@ -316,5 +330,5 @@ def stdlib_texts(split: str = "all", heldout_percent: float = 5, max_bytes: int 
     elif split == "eval":
         docs = [d for d in docs if _is_heldout(d.doc_id, heldout_percent)]
     elif split != "all":
-        raise ValueError(f"stdlib_texts: split={split!r}; expected all | train | eval")
+        raise InputError(f"stdlib_texts: split={split!r}; expected all | train | eval")
     return [d.text for d in _take_budget(docs, max_bytes)]

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallasite import sharding as shd
 from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import Transformer
 from pallasite.registry import LOSS
 from pallasite.training.losses import LM_BATCH_KEYS, LossKind
-
 
 
 # ----------------------------------------------------------------------------- state

@@ -25,14 +25,15 @@ go to ``<kind>_s<s>``).
 Variants (``kind``): dense, moe10, moe34, mole4, mole16, ``moe16k4`` (16 experts, top-4, SwiGLU-form
 width D_s/6: a trained routing with k ≥ 4 for the Occult benchmark, saved with its checkpoint) and
 ``moe10g`` / ``moe34g`` (the SwiGLU-form MoE of the earlier run: width D_s/3, equal activated
-parameters; an ablation) and ``dense_glu`` (control: the core's gated FFN, GeGLU of width 2·D_s/3 — the MoE experts' form — at
-the dense model's activated parameters, to separate "gated vs non-gated FFN" from "experts").
+parameters; an ablation) and ``dense_glu`` (control: the core's gated FFN, GeGLU of width
+2·D_s/3 — the MoE experts' form — at the dense model's activated parameters, to separate "gated
+vs non-gated FFN" from "experts").
 """
 
 from __future__ import annotations
 
-from pallasite.training.config import parse_arg, train_defaults
 from pallasite.configs.experts.paper import _validated, ffn_fields
+from pallasite.training.config import ConfigError, parse_arg, train_defaults
 
 KINDS = ("dense", "moe10", "mole4", "mole16", "moe34", "moe16k4", "dense_glu", "moe10g", "moe34g")
 SCALES = {
@@ -61,9 +62,9 @@ def model_dict(kind: str, scale: str = "cpu") -> dict:
 def get_config(arg=None):
     a = parse_arg(arg, kind="mole4", scale="cpu", steps=0, seed=0, tokenizer="", runlocal=False)
     if a.kind not in KINDS:
-        raise ValueError(f"configs/experts/quality.py: kind={a.kind!r}; expected one of {KINDS}")
+        raise ConfigError(f"configs/experts/quality.py: kind={a.kind!r}; expected one of {KINDS}")
     if a.scale not in SCALES:
-        raise ValueError(f"configs/experts/quality.py: scale={a.scale!r}; expected one of {sorted(SCALES)}")
+        raise ConfigError(f"configs/experts/quality.py: scale={a.scale!r}; expected one of {sorted(SCALES)}")
     s = SCALES[a.scale]
     c = train_defaults()
     c.seed = int(a.seed)
@@ -84,7 +85,6 @@ def get_config(arg=None):
     c.train.eval_every = 0
     c.train.checkpoint_every = 0  # final checkpoint only
     c.train.keep_checkpoints = 1
-    c.train.progress = False
     c.train.export_hf = False
     c.train.sample_tokens = 0
     c.mesh.data = 1

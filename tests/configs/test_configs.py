@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from pallasite.configs import models
 from pallasite.models.config import model_config_from
 from pallasite.training.config import ConfigError, load_config, parse_arg, train_defaults
-from pallasite.configs import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -92,3 +92,21 @@ def test_presets_are_validated():
         models.get("tiny", n_layer=3)
     with pytest.raises(ValueError, match="unknown model preset"):
         models.get("llama9")
+
+
+@pytest.mark.parametrize("spec", ["quickstart", "experts.quality:kind=mole4", "experts.quality:kind=moe10",
+                                  "experts.paper:size=160m,kind=mole4"])
+def test_user_facing_training_configs_show_the_progress_bar(spec):
+    assert load_config(spec).train.progress is True  # only configs/tiny.py (the tests' config) is quiet
+
+
+def test_quickstart_docstring_states_the_real_parameter_count():
+    import re
+
+    from pallasite.configs import quickstart
+
+    c = load_config(QUICKSTART)
+    n = model_config_from(c.model, vocab_size=c.tokenizer.vocab_size).num_params()  # BPE size = vocab_size
+    stated = re.search(r"([\d.]+)M-parameter", quickstart.__doc__)
+    assert stated, quickstart.__doc__
+    assert abs(float(stated.group(1)) * 1e6 - n) / n < 0.01, (stated.group(0), n)

@@ -18,7 +18,7 @@ from pallasite.models.config import ModelConfig
 from pallasite.models.transformer import forward, init_model
 
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rope_theta=500.0)
-PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 7, 7, 31, 80], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 7, 7, 31, 80], list(range(11, 28))]
 N_NEW = 12
 
 
@@ -187,3 +187,18 @@ def test_single_token_and_errors(model):
         E.generate_ids(g, st, CFG, [[1], []], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         E.generate_ids(g, st, CFG, [[1]], max_new_tokens=0)
+
+
+def test_prompts_longer_than_the_models_context_fail_naming_both_lengths(model):
+    """ModelConfig.max_seq_len bounds prompt + new tokens (positions past it were never trained);
+    the error names both lengths, before any compile (the cache may be longer than the context)."""
+    from pallasite.errors import InputError
+
+    g, st = model
+    cfg = CFG.replace(max_seq_len=64)
+    with pytest.raises(InputError, match=r"prompt 1 has 200 tokens, longer than the model's context of 64"):
+        E.generate_ids(g, st, cfg, [[1, 2], [3] * 200], max_new_tokens=4)
+    with pytest.raises(InputError, match=r"prompt 0 \(62 tokens\) \+ max_new_tokens \(4\) = 66 exceeds the model's "
+                                         r"context of 64 tokens .* at most 2 new tokens"):
+        E.generate_ids(g, st, cfg, [[3] * 62], max_new_tokens=4, cache_len=128)
+    assert len(E.generate_ids(g, st, cfg, [[3] * 62], max_new_tokens=2, stop_tokens=())[0]) == 2

@@ -1,13 +1,12 @@
 """Data pipeline: packing correctness, determinism, exact iterator resume, sources, tokenizer."""
 import json
-import os
 
 import numpy as np
 import pytest
 
-from pallasite.training.config import train_defaults
 from pallasite.models.tokenizer import load_tokenizer, train_bpe
 from pallasite.training import data as D
+from pallasite.training.config import train_defaults
 
 
 def _docs(lengths, start=10):
@@ -154,7 +153,7 @@ def test_jsonl_and_text_sources(tmp_path):
     assert len(train) + len(ev) == 40 and ev and train
     assert train[0].text.startswith("document number")
     cfg.field = "text"
-    with pytest.raises(KeyError, match="no field 'text'"):
+    with pytest.raises(D.DataError, match=r"d\.jsonl:1: jsonl record has no field 'text'"):
         D.load_documents(cfg)
     (tmp_path / "a.txt").write_text("hello " * 50)
     (tmp_path / "b.txt").write_text("world " * 50)

@@ -1,5 +1,7 @@
 """The training loop end to end on configs/tiny.py: outputs, exact resume after a real SIGKILL,
-NaN stop keeping the last good checkpoint."""
+NaN stop keeping the last good checkpoint, Ctrl-C saving a checkpoint, every step logged once
+(JSONL and TensorBoard) after kills, strict result.json on a re-run, the resume refusal naming the
+fields, files written with the user's umask, and `pallasite eval` agreeing with the run's eval."""
 import json
 import math
 import os
@@ -11,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from pallasite.training.config import load_config
 from pallasite.training.checkpointing import Checkpointer
+from pallasite.training.config import load_config
 from pallasite.training.loop import train
 from pallasite.training.metrics import read_jsonl
 
@@ -144,9 +146,9 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
     assert records[-1]["step"] == 9 and records[-1]["loss"] == "nan"
     # the kept checkpoint is finite
     from pallasite import sharding as shd
+    from pallasite.models.tokenizer import load_tokenizer
     from pallasite.training import step as st
     from pallasite.training.loop import model_config_for
-    from pallasite.models.tokenizer import load_tokenizer
     from pallasite.training.optim import make_optimizer
 
     cfg = model_config_for(config, load_tokenizer(str(workdir / "tokenizer")))
@@ -156,12 +158,129 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
 
-def test_resume_with_changed_config_fails_naming_the_section(reference_run, tmp_path):
+def test_resume_with_changed_config_names_the_fields_and_keeps_the_workdir(reference_run, tmp_path):
     import shutil
+
+    from pallasite.errors import ResumeError
 
     ref_dir, _ = reference_run
     workdir = tmp_path / "copy"
-    shutil.copytree(ref_dir / "checkpoints", workdir / "checkpoints")
-    shutil.copytree(ref_dir / "tokenizer", workdir / "tokenizer")
-    with pytest.raises(ValueError, match=r"config\.seed"):
-        train(_config("--config.seed=1", "--config.train.steps=13"), str(workdir))
+    shutil.copytree(ref_dir, workdir)
+    saved = (workdir / "config.json").read_text()
+    with pytest.raises(ResumeError) as e:
+        train(_config("--config.seed=1", "--config.model.d_model=48", "--config.train.steps=13"),
+              str(workdir))
+    msg = str(e.value)
+    assert "config.seed: saved 0, now 1" in msg and "config.model.d_model: saved 32, now 48" in msg
+    assert "n_heads" not in msg and "'family'" not in msg  # the differing fields, not both dicts
+    assert (workdir / "config.json").read_text() == saved  # the refused run did not overwrite it
+
+
+def _tb_scalars(workdir):
+    """[(tag, step)] of every scalar in every TensorBoard event file of the run."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for name in sorted(os.listdir(workdir / "tb")):
+        data = (workdir / "tb" / name).read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            out.extend((v.tag, event.step) for v in event.summary.value)
+            i += 12 + n + 4
+    return out
+
+
+def test_kill_before_the_first_checkpoint_logs_every_step_once(reference_run, tmp_path):
+    """A run dies at step 8 before any checkpoint (it had logged steps 1-8); the re-run starts over
+    and the JSONL and TensorBoard logs hold each step once, with the reference run's losses."""
+    workdir = tmp_path / "early"
+    overrides = ["--config.train.export_hf=false", "--config.train.sample_tokens=0",
+                 "--config.train.checkpoint_every=0", "--config.train.eval_every=0"]
+
+    def die(step, state):
+        if step == 8:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(_config(*overrides), str(workdir), step_hook=die)
+    assert [s for s, _ in _train_losses(workdir)] == list(range(1, 9))
+    assert Checkpointer(str(workdir / "checkpoints")).latest_step() is None
+    train(_config(*overrides), str(workdir))
+    got = _train_losses(workdir)
+    assert [s for s, _ in got] == list(range(1, 13))
+    assert got == _train_losses(reference_run[0])
+    tb = _tb_scalars(workdir)
+    train_steps = sorted(step for tag, step in tb if tag == "train/loss")
+    assert train_steps == list(range(1, 13)), train_steps
+    assert len(tb) == len(set(tb))  # no (tag, step) twice in the event files
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resumes_exactly(reference_run, tmp_path):
+    from pallasite.errors import TrainingInterrupted
+
+    workdir = tmp_path / "ctrl_c"
+    overrides = ["--config.train.export_hf=false", "--config.train.sample_tokens=0"]
+
+    def ctrl_c(step, state):
+        if step == 4:  # arrives as step 5 is about to run: step 5 finishes, then the run stops
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(TrainingInterrupted, match="resume from step 5"):
+        train(_config(*overrides), str(workdir), step_hook=ctrl_c)
+    assert 5 in Checkpointer(str(workdir / "checkpoints")).all_steps()  # no regular checkpoint
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was restored
+    result = train(_config(*overrides), str(workdir))
+    assert result["resumed_from"] == 5
+    assert _train_losses(workdir) == _train_losses(reference_run[0])
+
+
+def test_rerunning_a_finished_workdir_keeps_its_figures_and_strict_json(reference_run, tmp_path):
+    import shutil
+
+    ref_dir, ref = reference_run
+    workdir = tmp_path / "again"
+    shutil.copytree(ref_dir, workdir)
+    result = train(_config(), str(workdir))
+    assert result["steps_run"] == 0 and result["resumed_from"] == 12
+    assert result["train_loss"] == ref["train_loss"]
+    assert result["tokens_per_s"] == ref["tokens_per_s"]
+    assert result["eval_loss"] == ref["eval_loss"]
+
+    def refuse(name):
+        raise AssertionError(f"result.json holds {name}: not strict JSON")
+
+    on_disk = json.loads((workdir / "result.json").read_text(), parse_constant=refuse)
+    assert on_disk["train_loss"] == ref["train_loss"]
+
+
+def test_files_follow_the_users_umask(reference_run):
+    """safetensors writes 0600 files; every output of a run is readable as the umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    want = 0o444 & ~umask
+    for dirpath, _, files in os.walk(reference_run[0]):
+        for name in files:
+            mode = os.stat(os.path.join(dirpath, name)).st_mode
+            assert mode & 0o444 == want, (os.path.join(dirpath, name), oct(mode))
+
+
+def test_cli_eval_of_a_workdir_matches_the_runs_eval(reference_run, capsys):
+    from pallasite import cli
+
+    workdir, result = reference_run
+    capsys.readouterr()
+    cli.main(["eval", "--model", str(workdir)])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["data"] == "heldout" and out["seq_len"] == 32
+    assert out["nll"] == pytest.approx(result["eval_loss"], abs=1e-5)
+    assert "held-out split" in captured.err and "packed windows of 32 tokens" in captured.err
+    cli.main(["eval", "--model", str(workdir), "--data", "stdlib", "--max-windows", "4"])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["seq_len"] == 32 and out["windows"] == 4  # the run's window length, and it says so
+    assert "4 windows of 32 tokens" in captured.err
