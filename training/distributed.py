@@ -58,6 +58,8 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     # CPU collectives across processes (ignored by accelerator backends)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kw = {} if local_device_ids is None else {"local_device_ids": local_device_ids}
+    if os.environ.get("PALLASITE_HEARTBEAT_TIMEOUT_S"):  # a loaded CI box: more than jax's 100 s
+        kw["heartbeat_timeout_seconds"] = int(os.environ["PALLASITE_HEARTBEAT_TIMEOUT_S"])
     if coordinator_address is None:
         jax.distributed.initialize(**kw)
     else:

@@ -38,7 +38,7 @@ def _free_port() -> int:
 def _env(devices: int) -> dict:
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", PALLASITE_HEARTBEAT_TIMEOUT_S="600")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return env
 
