@@ -113,9 +113,21 @@ def parse_arg(arg: Optional[str], **defaults) -> ConfigDict:
 
 
 # ----------------------------------------------------------------------------- loading
+def _packaged_config(path: str) -> Optional[str]:
+    """``configs/...py`` (a relative path) -> the installed package's copy, if it has one."""
+    parts = os.path.normpath(path).split(os.sep)
+    if os.path.isabs(path) or len(parts) < 2 or parts[0] != "configs":
+        return None
+    candidate = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *parts)
+    return candidate if os.path.isfile(candidate) else None
+
+
 def _load_module(path_or_module: str):
     if path_or_module.endswith(".py") or os.path.sep in path_or_module or os.path.exists(path_or_module):
         path = os.path.abspath(path_or_module)
+        packaged = _packaged_config(path_or_module)
+        if not os.path.exists(path) and packaged is not None:
+            path = packaged  # `configs/x.py` outside a checkout: the copy shipped in the package
         if not os.path.exists(path):
             raise ConfigError(f"config file {path_or_module!r} does not exist")
         name = "pallasite_config_" + os.path.splitext(os.path.basename(path))[0]

@@ -10,6 +10,10 @@ inside a document, ``positions`` restart per document, ``loss_mask`` drops targe
 document boundary; rows are shuffled and grouped into batches of ``B``. ``BatchIterator.state()``
 (epoch, batch, seed, data fingerprint) restores exactly the next batch, and refuses other data.
 ``heldout_batches`` is the fixed eval set the loop and ``pallasite eval`` share. docs/training.md.
+Data kinds (``config.data.kind``, default ``"lm"``; options in ``config.data.kind_config``): the
+loop asks ``DATA_KIND.get(kind)(config, workdir, kind_config)`` for a ``DataSpec`` (tokenizer,
+resumable train dataset, eval batches, optional start model / export / finish hooks); ``lm`` is the
+pipeline above, post-training recipes (SFT, preference pairs, edits, code) register their own.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import json
 import os
 import sysconfig
 import zlib
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from pallasite.errors import ConfigError, DataError, InputError, ResumeError
+from pallasite.registry import Registry
 
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "__pycache__",
                      "lib2to3", "turtledemo"}
@@ -316,9 +321,64 @@ def unigram_entropy(batches: Iterable[dict]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+# ----------------------------------------------------------------------------- data kinds
+# kind -> module that registers it (imported on first use; see pallasite.registry)
+DATA_KIND = Registry("data_kind", {
+    "lm": "pallasite.training.loop",
+    "sft": "pallasite.training.recipes.sft_data",
+    "code_cot": "pallasite.training.recipes.code_cot",
+    "facts": "pallasite.training.recipes.editing",
+    "edit": "pallasite.training.recipes.editing",
+    "preference": "pallasite.training.preference.data",
+})
+
+
+@dataclasses.dataclass
+class DataSpec:
+    """What a data kind hands the training loop. ``train`` has ``iterator(state)``,
+    ``num_tokens`` and ``batches_per_epoch`` (``PackedDataset``'s protocol); the optional hooks
+    replace the loop's defaults: ``model_config`` (else ``config.model`` + tokenizer),
+    ``init_state`` / ``abstract_state`` (``(cfg, optimizer, mesh, rules, seed) -> (graphdef,
+    state|abstract, shardings)``, else a fresh model), ``export(cfg, graphdef, state) -> (cfg,
+    params)`` for the final HF export, and ``finish(cfg, graphdef, state, workdir) -> dict`` whose
+    entries join the run's result (e.g. rewards or pass@1 measured after training)."""
+
+    tokenizer: Any
+    train: Any
+    eval_batches: list
+    tokens_per_batch: int
+    summary: str = ""
+    unigram_entropy: float = float("nan")
+    model_config: Any = None
+    init_state: Optional[Callable] = None
+    abstract_state: Optional[Callable] = None
+    export: Optional[Callable] = None
+    finish: Optional[Callable] = None
+
+
+def data_kind_of(data_cfg) -> tuple[str, Any]:
+    """(kind, raw sub-config) of a ``config.data`` group (``kind`` absent = ``"lm"``)."""
+    kind = data_cfg.get("kind", "lm") if hasattr(data_cfg, "get") else "lm"
+    raw = data_cfg.get("kind_config", None) if hasattr(data_cfg, "get") else None
+    if hasattr(raw, "to_dict"):
+        raw = raw.to_dict()
+    return kind, raw
+
+
+def build_data(config, workdir: str) -> DataSpec:
+    """The ``DataSpec`` of ``config.data.kind`` (validated against ``DATA_KIND``)."""
+    kind, raw = data_kind_of(config.data)
+    builder = DATA_KIND.get(kind, field="config.data.kind")
+    kind_config = DATA_KIND.make_config(kind, raw, field="config.data.kind_config")
+    spec = builder(config, workdir, kind_config)
+    if not isinstance(spec, DataSpec):
+        raise TypeError(f"data kind {kind!r} returned {type(spec).__name__}, expected a DataSpec")
+    return spec
+
+
 __all__ = ["Document", "stdlib_documents", "stdlib_texts", "text_documents", "jsonl_documents", "load_documents",
            "tokenize_documents", "pack_stream", "PackedDataset", "BatchIterator", "unigram_entropy",
-           "heldout_batches", "describe_heldout"]
+           "heldout_batches", "describe_heldout", "DATA_KIND", "DataSpec", "data_kind_of", "build_data"]
 
 
 def stdlib_texts(split: str = "all", heldout_percent: float = 5, max_bytes: int = 0) -> list[str]:

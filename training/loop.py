@@ -21,6 +21,7 @@ TensorBoard, ``config.json``, ``result.json``, the tokenizer and the HF export.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -260,27 +261,18 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     config_json = to_json_dict(config)
 
     # ---- fail fast on a bad model or loss config, before data loading and tokenizer training
-    model_config_for(config, None)
+    if data_lib.data_kind_of(config.data)[0] == "lm":  # other kinds may bring their own model
+        model_config_for(config, None)
     LOSS.get(tc.loss, field="config.train.loss")
 
-    # ---- data and tokenizer
-    train_docs, eval_docs = data_lib.load_documents(config.data)
-    tokenizer = prepare_tokenizer(config, workdir, train_docs)
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; "
-                          f"packing needs one")
-    eos = int(tokenizer.eos_token_id)
-    train_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, train_docs, eos),
-                                      seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed)
-    eval_batches = data_lib.heldout_batches(config.data, tokenizer, eval_docs)
-    unigram = data_lib.unigram_entropy(eval_batches)
-    _log(f"data: {len(train_docs)} train docs ({train_ds.num_tokens} tokens, {train_ds.batches_per_epoch} "
-         f"batches/epoch); held-out unigram entropy {unigram:.4f} nats/token")
-    _log(f"eval set: {data_lib.describe_heldout(config.data, eval_docs, eval_batches)} "
-         f"(`pallasite eval --model {workdir}` scores the same set)")
+    # ---- data and tokenizer (config.data.kind; "lm" = packed documents, lm_data below)
+    spec = data_lib.build_data(config, workdir)
+    tokenizer, train_ds, eval_batches, unigram = spec.tokenizer, spec.train, spec.eval_batches, spec.unigram_entropy
+    for line in spec.summary.splitlines():
+        _log(line)
 
     # ---- model, mesh, optimizer, state
-    cfg = model_config_for(config, tokenizer)
+    cfg = spec.model_config or model_config_for(config, tokenizer)
     mesh = shd.make_mesh(dict(config.mesh))
     rules = shd.rules_from_config(config.sharding_rules)
     optimizer, schedule = make_optimizer(config.optim, tc.steps)
@@ -292,11 +284,13 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     if latest is not None:
         # the config first: a changed model would otherwise fail later as a shape mismatch
         _check_resume_config(ckpt.saved_config(latest), config_json, workdir)
-        graphdef, abstract, shardings = step_lib.abstract_train_state(cfg, optimizer, mesh, rules, config.seed)
+        graphdef, abstract, shardings = (spec.abstract_state or step_lib.abstract_train_state)(
+            cfg, optimizer, mesh, rules, config.seed)
         state, data_state, _ = ckpt.restore(latest, abstract)
         _log(f"resumed from checkpoint step {latest} in {ckpt.directory}")
     else:
-        graphdef, state, shardings = step_lib.init_train_state(cfg, optimizer, mesh, rules, config.seed)
+        graphdef, state, shardings = (spec.init_state or step_lib.init_train_state)(
+            cfg, optimizer, mesh, rules, config.seed)
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:  # only once the resume is accepted
             json.dump(config_json, f, indent=2)
@@ -317,7 +311,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
 
     start = int(dist.host_value(state["step"]))
     total = int(tc.steps)
-    tokens_per_step = B * config.data.seq_len
+    tokens_per_step = spec.tokens_per_batch
     pending: list[tuple[int, Any]] = []
     last_train: dict = {}
     last_eval: dict = {}
@@ -365,7 +359,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
                 pos = it.next_position()
                 if step_hook is not None:
                     state = step_hook(step, state) or state
-                batch = dist.global_batch(lambda lo, hi: train_ds.batch(*pos, rows=(lo, hi)), batch_sh, B)
+                batch = dist.global_batch(lambda lo, hi: _batch_rows(train_ds, pos, lo, hi), batch_sh, B)
                 state, metrics = train_step(state, batch)
                 done = step + 1
                 pending.append((done, metrics))
@@ -378,8 +372,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
                     last_eval = evaluate(eval_fn, state, eval_batches, batch_sh)
                     writer.write(done, {"loss": last_eval["loss"], "perplexity": last_eval["perplexity"],
                                         "unigram_entropy": unigram}, kind="eval")
-                    _log(f"step {done}: eval loss {last_eval['loss']:.4f} (ppl {last_eval['perplexity']:.2f}; "
-                         f"unigram entropy {unigram:.4f})")
+                    base = f"; unigram entropy {unigram:.4f}" if math.isfinite(unigram) else ""
+                    _log(f"step {done}: eval loss {last_eval['loss']:.4f} (ppl {last_eval['perplexity']:.2f}"
+                         f"{base})")
                     t_window = time.time()  # eval time is not training throughput
                 if do_ckpt or (interrupt.requested and done < total):
                     if not do_ckpt:
@@ -419,7 +414,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
 
         hf_dir = os.path.join(workdir, "hf")
         if main:
-            export_hf(cfg, jax.device_get(state["params"]), hf_dir)
+            export_cfg, export_params = (spec.export(cfg, graphdef, state) if spec.export
+                                         else (cfg, state["params"]))
+            export_hf(export_cfg, jax.device_get(export_params), hf_dir)
             tokenizer.save_pretrained(hf_dir)
         _log(f"saved final model (HF format) and tokenizer to {hf_dir}")
     text = None
@@ -434,7 +431,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
                 text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens, **kw)
         _log(f"sample ({how}):\n{text}")
     writer.close()
-    if last_eval:
+    if last_eval and math.isfinite(unigram):  # recipe data kinds have no unigram baseline
         _log(explain_eval(last_eval["loss"], unigram))
     steps_run = total - start
     previous = _read_json(os.path.join(workdir, "result.json")) or {}
@@ -452,6 +449,9 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         "num_params": n_params, "tokens_per_s": tokens_per_s,
         "wall_s": time.time() - t_start, "workdir": workdir, "hf_dir": hf_dir, "sample": text,
     }
+    if spec.finish is not None:
+        with jax.set_mesh(mesh):
+            result.update(spec.finish(cfg, graphdef, state, workdir))
     result = _strict_json(result)
     if main:
         with open(os.path.join(workdir, "result.json"), "w") as f:
@@ -460,5 +460,36 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     return result
 
 
+def _batch_rows(dataset, pos, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of batch ``pos``: read alone where the dataset can (``batch(..., rows=)``,
+    e.g. ``PackedDataset``), else cut from the whole batch (data kinds without it)."""
+    if "rows" in inspect.signature(dataset.batch).parameters:
+        return dataset.batch(*pos, rows=(lo, hi))
+    return {k: v[lo:hi] for k, v in dataset.batch(*pos).items()}
+
+
+def lm_data(config: ConfigDict, workdir: str, kind_config=None) -> data_lib.DataSpec:
+    """The default data kind ``lm``: documents -> tokenizer -> packed LM batches (``data.py``)."""
+    train_docs, eval_docs = data_lib.load_documents(config.data)
+    tokenizer = prepare_tokenizer(config, workdir, train_docs)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {config.tokenizer.path or 'trained'} has no eos token; "
+                          f"packing needs one")
+    eos = int(tokenizer.eos_token_id)
+    train_ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, train_docs, eos),
+                                      seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed)
+    eval_batches = data_lib.heldout_batches(config.data, tokenizer, eval_docs)
+    unigram = data_lib.unigram_entropy(eval_batches)
+    summary = (f"data: {len(train_docs)} train docs ({train_ds.num_tokens} tokens, {train_ds.batches_per_epoch} "
+               f"batches/epoch); held-out unigram entropy {unigram:.4f} nats/token\n"
+               f"eval set: {data_lib.describe_heldout(config.data, eval_docs, eval_batches)} "
+               f"(`pallasite eval --model {workdir}` scores the same set)")
+    return data_lib.DataSpec(tokenizer, train_ds, eval_batches, config.data.batch_size * config.data.seq_len,
+                             summary=summary, unigram_entropy=unigram)
+
+
+data_lib.DATA_KIND.register("lm", lm_data)
+
+
 __all__ = ["train", "evaluate", "sample", "prepare_tokenizer", "model_config_for", "config_diff",
-           "explain_eval"]
+           "explain_eval", "lm_data"]

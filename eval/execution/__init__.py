@@ -1,0 +1,1 @@
+"""Sandboxed execution of generated code (``sandbox``) and the HumanEval harness (``humaneval``)."""
