@@ -13,6 +13,7 @@
     pallasite quantize --model PATH --output DIR --method flatquant|hadamard|rtn|smoothquant  (W4A4KV4)
     pallasite catekv-calibrate --model PATH [--r 0.4]   (CateKV head mask next to the model)
     pallasite occult-place --model MOE --output DIR --devices 8   (Occult expert placement)
+    pallasite compile  --config configs/llama3_8b.py --topology v5p:4x4x4 [--step decode]   (AOT memory)
 
 ``generate`` and ``eval`` take ``--mole-lut host|device|FILE.lut`` for MoLE models: the experts
 are replaced by their lookup table, in host memory (rows gathered in the compiled graph), in
@@ -109,12 +110,16 @@ def _literal(text: str):
 
 
 def _cmd_train(args, overrides):
+    from pallasite.training import distributed
     from pallasite.training.config import load_config
     from pallasite.training.loop import train
 
+    # before any jax backend use: joins a multi-process run (flags, JAX_* env or the TPU slice)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     config = load_config(args.config, overrides=overrides)
-    result = train(config, args.workdir)
-    print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
+    result = train(config, args.workdir, checkpoint_dir=args.checkpoint_dir)
+    if distributed.is_main():
+        print(json.dumps({k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str))}))
 
 
 def _load_for_inference(args):
@@ -375,7 +380,13 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
         required=True,
         help="where checkpoints, metrics and the model go (resumed if present)",
     )
+    p.add_argument("--checkpoint-dir", default=None, help="orbax checkpoints (default WORKDIR/checkpoints; gs:// ok)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (Cloud TPU slices need none: auto-detected)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
     p.set_defaults(fn=_cmd_train)
+    sub.add_parser("compile", help="AOT-compile the train/decode step for a TPU topology: per-chip memory, fits")
 
     for name, fn, help_ in (
         ("generate", _cmd_generate, "generate text"),
@@ -486,6 +497,10 @@ def _run(argv: list[str]) -> None:
     from pallasite.registry import KV_CACHE
 
     argv, overrides = _split_config_overrides(argv)
+    if argv[:1] == ["compile"]:  # its own parser (training/compile_check.py); exit status = fits
+        from pallasite.training import compile_check
+
+        raise SystemExit(compile_check.main(argv[1:], overrides))
     argv, kind_options = _split_kind_options(argv, KV_CACHE.names())
     parser = _parser(KV_CACHE.names())
     args = parser.parse_args(argv)

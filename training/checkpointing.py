@@ -27,7 +27,7 @@ ITEMS = ("state", "data", "config")
 
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+        self.directory = directory if "://" in str(directory) else os.path.abspath(directory)  # gs://
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 

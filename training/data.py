@@ -228,10 +228,15 @@ class PackedDataset:
         self._epoch_cache = (epoch, rows)
         return rows
 
-    def batch(self, epoch: int, index: int) -> dict[str, np.ndarray]:
-        rows = self.epoch_rows(epoch)
-        sl = slice(index * self.batch_size, (index + 1) * self.batch_size)
-        return {k: v[sl] for k, v in rows.items()}
+    def batch(self, epoch: int, index: int, rows: Optional[tuple[int, int]] = None) -> dict[str, np.ndarray]:
+        """Batch ``index`` of ``epoch``; ``rows=(start, stop)`` takes only those rows of it (a
+        process's share in a multi-process run)."""
+        epoch_rows = self.epoch_rows(epoch)
+        lo, hi = (0, self.batch_size) if rows is None else rows
+        if not 0 <= lo <= hi <= self.batch_size:
+            raise ValueError(f"PackedDataset.batch: rows {rows} outside the batch of {self.batch_size}")
+        base = index * self.batch_size
+        return {k: v[base + lo:base + hi] for k, v in epoch_rows.items()}
 
     def iterator(self, state: Optional[dict] = None) -> "BatchIterator":
         it = BatchIterator(self)
@@ -251,11 +256,16 @@ class BatchIterator(Iterator[dict]):
         self.index = 0
 
     def __next__(self) -> dict[str, np.ndarray]:
+        return self.dataset.batch(*self.next_position())
+
+    def next_position(self) -> tuple[int, int]:
+        """(epoch, batch index) of the next batch, advancing past it (``dataset.batch(*pos,
+        rows=...)`` then reads any part of it)."""
         if self.index >= self.dataset.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        out = self.dataset.batch(self.epoch, self.index)
+        pos = (self.epoch, self.index)
         self.index += 1
-        return out
+        return pos
 
     def state(self) -> dict:
         """JSON-able position: the *next* batch to be produced."""

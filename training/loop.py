@@ -12,10 +12,16 @@ raises ``FloatingPointError`` and no checkpoint holds an unchecked step; Ctrl-C 
 saves a checkpoint and raises ``TrainingInterrupted`` naming the step to resume from. Outputs in
 ``workdir``: ``checkpoints/``, ``tokenizer/``, ``metrics.jsonl``, ``tb/``, ``hf/``,
 ``config.json`` and ``result.json`` (strict JSON; unknown values are ``null``). docs/training.md.
+
+Multi-process (``training/distributed.py``): every process runs the same steps on one global
+mesh, feeds only the rows of each batch its devices hold and saves/restores the orbax checkpoint
+together (``checkpoint_dir`` may be ``gs://``); process 0 alone logs and writes metrics,
+TensorBoard, ``config.json``, ``result.json``, the tokenizer and the HF export.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -37,6 +43,7 @@ from pallasite.models.tokenizer import load_tokenizer, train_bpe
 from pallasite.ops.common import round_up
 from pallasite.registry import LOSS
 from pallasite.training import data as data_lib
+from pallasite.training import distributed as dist
 from pallasite.training import step as step_lib
 from pallasite.training.checkpointing import Checkpointer
 from pallasite.training.config import ConfigDict, to_json_dict
@@ -46,7 +53,16 @@ from pallasite.training.optim import make_optimizer
 StepHook = Callable[[int, dict], Optional[dict]]
 
 
+class _NoMetrics:
+    """The metrics sink of processes other than 0: every MetricsWriter method does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def _log(msg: str) -> None:
+    if not dist.is_main():
+        return
     try:
         from tqdm import tqdm
 
@@ -61,6 +77,18 @@ def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
     if config.tokenizer.path:
         return load_tokenizer(config.tokenizer.path)
     tok_dir = os.path.join(workdir, "tokenizer")
+    # Process 0 loads or trains+saves it; then the others read it (a workdir that is not shared
+    # between hosts: they train the same deterministic BPE themselves, without saving).
+    tok = None
+    if dist.is_main():
+        tok = _load_or_train_tokenizer(config, tok_dir, train_docs, save=True)
+    dist.barrier("tokenizer")
+    if tok is None:
+        tok = _load_or_train_tokenizer(config, tok_dir, train_docs, save=False)
+    return tok
+
+
+def _load_or_train_tokenizer(config: ConfigDict, tok_dir: str, train_docs, *, save: bool):
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         return load_tokenizer(tok_dir)
     budget = config.tokenizer.train_max_chars
@@ -74,7 +102,7 @@ def prepare_tokenizer(config: ConfigDict, workdir: str, train_docs) -> Any:
             used += len(d.text)
 
     t0 = time.time()
-    tok = train_bpe(texts(), config.tokenizer.vocab_size, save_to=tok_dir)
+    tok = train_bpe(texts(), config.tokenizer.vocab_size, save_to=tok_dir if save else None)
     _log(f"trained byte-level BPE: vocab {len(tok)} in {time.time() - t0:.1f}s -> {tok_dir}")
     return tok
 
@@ -140,7 +168,9 @@ def _check_resume_config(saved: dict, current: dict, workdir: str) -> None:
 def evaluate(eval_fn, state: dict, batches, batch_shardings) -> dict:
     ce, n = 0.0, 0.0
     for b in batches:
-        c, k = eval_fn(state["params"], state["other"], step_lib.put_batch(b, batch_shardings))
+        B = len(next(iter(b.values())))
+        put = dist.global_batch(lambda lo, hi: {k: v[lo:hi] for k, v in b.items()}, batch_shardings, B)
+        c, k = dist.host_value(eval_fn(state["params"], state["other"], put))
         ce, n = ce + float(c), n + float(k)
     loss = ce / max(n, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": n}
@@ -217,14 +247,16 @@ def _read_json(path: str) -> Optional[dict]:
         return None
 
 
-def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = None) -> dict:
+def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = None,
+          checkpoint_dir: Optional[str] = None) -> dict:
     """Train (or resume) the experiment ``config`` in ``workdir``; returns a summary dict.
 
     ``step_hook(step, state)`` (tests and debugging) runs before each step and may return a
-    replacement state."""
+    replacement state. ``checkpoint_dir`` (default ``workdir/checkpoints``; ``gs://`` allowed)."""
     t_start = time.time()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
+    main = dist.is_main()
     tc = config.train
     config_json = to_json_dict(config)
 
@@ -245,7 +277,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     rules = shd.rules_from_config(config.sharding_rules)
     optimizer, schedule = make_optimizer(config.optim, tc.steps)
     B = config.data.batch_size
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
+    ckpt = Checkpointer(checkpoint_dir or os.path.join(workdir, "checkpoints"), keep=tc.keep_checkpoints,
                         async_save=tc.async_checkpointing)
     latest = ckpt.latest_step()
     data_state = None
@@ -259,11 +291,13 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     else:
         graphdef, state, shardings = (spec.init_state or step_lib.init_train_state)(
             cfg, optimizer, mesh, rules, config.seed)
-    with open(os.path.join(workdir, "config.json"), "w") as f:  # only once the resume is accepted
-        json.dump(config_json, f, indent=2)
-    writer = MetricsWriter(workdir, start_step=int(latest or 0))
+    if main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:  # only once the resume is accepted
+            json.dump(config_json, f, indent=2)
+    writer = MetricsWriter(workdir, start_step=int(latest or 0)) if main else _NoMetrics()
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}")
+    _log(f"model: {n_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, mesh {dict(mesh.shape)}, "
+         f"{jax.process_count()} process(es)")
 
     loss = LOSS.get(tc.loss, field="config.train.loss")
     loss_config = LOSS.make_config(tc.loss, tc.loss_config.to_dict() if hasattr(tc.loss_config, "to_dict")
@@ -275,7 +309,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     batch_sh = step_lib.batch_shardings(mesh, rules, B, loss.batch_keys)
     it = train_ds.iterator(data_state)
 
-    start = int(jax.device_get(state["step"]))
+    start = int(dist.host_value(state["step"]))
     total = int(tc.steps)
     tokens_per_step = spec.tokens_per_batch
     pending: list[tuple[int, Any]] = []
@@ -283,7 +317,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     last_eval: dict = {}
     last_saved = latest
     bar = None
-    if tc.progress and start < total:
+    if tc.progress and start < total and main:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -295,7 +329,7 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         nonlocal pending, last_train, t_window, steps_window
         if not pending:
             return
-        host = jax.device_get([m for _, m in pending])
+        host = dist.host_value([m for _, m in pending])
         for (s, _), m in zip(pending, host):
             m = {k: float(v) for k, v in m.items()}
             if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
@@ -322,10 +356,11 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
     try:
         with jax.set_mesh(mesh), interrupt:
             for step in range(start, total):
-                batch = next(it)
+                pos = it.next_position()
                 if step_hook is not None:
                     state = step_hook(step, state) or state
-                state, metrics = train_step(state, step_lib.put_batch(batch, batch_sh))
+                batch = dist.global_batch(lambda lo, hi: _batch_rows(train_ds, pos, lo, hi), batch_sh, B)
+                state, metrics = train_step(state, batch)
                 done = step + 1
                 pending.append((done, metrics))
                 steps_window += 1
@@ -371,29 +406,36 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
 
     # ---- final model, tokenizer, sample
     hf_dir = None
+    multi = jax.process_count() > 1
+    if multi and (tc.export_hf or tc.sample_tokens > 0):  # every process joins the gather
+        state = {k: dist.host_value(state[k]) for k in ("params", "other")}
     if tc.export_hf:
         from pallasite.models.hf import export_hf
 
         hf_dir = os.path.join(workdir, "hf")
-        export_cfg, export_params = spec.export(cfg, graphdef, state) if spec.export else (cfg, state["params"])
-        export_hf(export_cfg, jax.device_get(export_params), hf_dir)
-        tokenizer.save_pretrained(hf_dir)
+        if main:
+            export_cfg, export_params = (spec.export(cfg, graphdef, state) if spec.export
+                                         else (cfg, state["params"]))
+            export_hf(export_cfg, jax.device_get(export_params), hf_dir)
+            tokenizer.save_pretrained(hf_dir)
         _log(f"saved final model (HF format) and tokenizer to {hf_dir}")
     text = None
-    if tc.sample_tokens > 0:
-        with jax.set_mesh(mesh):
-            text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens,
-                          temperature=float(tc.sample_temperature), top_p=float(tc.sample_top_p),
-                          seed=config.seed)
+    if tc.sample_tokens > 0 and main:
         how = (f"temperature {tc.sample_temperature}, top-p {tc.sample_top_p}"
                if tc.sample_temperature > 0 else "greedy")
+        kw = dict(temperature=float(tc.sample_temperature), top_p=float(tc.sample_top_p), seed=config.seed)
+        if multi:  # the gathered host copy, on this process's devices only
+            text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens, **kw)
+        else:
+            with jax.set_mesh(mesh):
+                text = sample(cfg, graphdef, state, tokenizer, tc.sample_prompt, tc.sample_tokens, **kw)
         _log(f"sample ({how}):\n{text}")
     writer.close()
     if last_eval and math.isfinite(unigram):  # recipe data kinds have no unigram baseline
         _log(explain_eval(last_eval["loss"], unigram))
     steps_run = total - start
     previous = _read_json(os.path.join(workdir, "result.json")) or {}
-    if not last_train:  # nothing trained in this call (a finished workdir): the log has the step
+    if not last_train and main:  # nothing trained in this call (a finished workdir): the log has it
         logged = read_jsonl(workdir, "train")
         last_train = next((r for r in reversed(logged) if r["step"] == total), {})
     # a finished run's throughput is kept, not zeroed, when this call trained nothing
@@ -411,9 +453,19 @@ def train(config: ConfigDict, workdir: str, *, step_hook: Optional[StepHook] = N
         with jax.set_mesh(mesh):
             result.update(spec.finish(cfg, graphdef, state, workdir))
     result = _strict_json(result)
-    with open(os.path.join(workdir, "result.json"), "w") as f:
-        json.dump(result, f, indent=2, allow_nan=False)
+    if main:
+        with open(os.path.join(workdir, "result.json"), "w") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+    dist.barrier("train_end")  # the processes leave together (the runtime's shutdown barrier times out)
     return result
+
+
+def _batch_rows(dataset, pos, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of batch ``pos``: read alone where the dataset can (``batch(..., rows=)``,
+    e.g. ``PackedDataset``), else cut from the whole batch (data kinds without it)."""
+    if "rows" in inspect.signature(dataset.batch).parameters:
+        return dataset.batch(*pos, rows=(lo, hi))
+    return {k: v[lo:hi] for k, v in dataset.batch(*pos).items()}
 
 
 def lm_data(config: ConfigDict, workdir: str, kind_config=None) -> data_lib.DataSpec:
