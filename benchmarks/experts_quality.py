@@ -44,8 +44,13 @@ def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
         config = ml_collections.ConfigDict(json.load(f))
     _, eval_docs = data_lib.load_documents(config.data)
     eos = int(tokenizer.eos_token_id)
-    ds = data_lib.PackedDataset(data_lib.tokenize_documents(tokenizer, eval_docs, eos), seq_len=config.data.seq_len,
-                                batch_size=config.data.batch_size, seed=0, shuffle=False)
+    ds = data_lib.PackedDataset(
+        data_lib.tokenize_documents(tokenizer, eval_docs, eos),
+        seq_len=config.data.seq_len,
+        batch_size=config.data.batch_size,
+        seed=0,
+        shuffle=False,
+    )
     batches = ds.first_batches(config.data.eval_batches)
 
     def ce(logits, b):
@@ -63,7 +68,9 @@ def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
 
     g, s = nnx.split(model)
     fwd = jax.jit(forward, static_argnums=0)
-    out = {"train_mode": mean_loss(lambda b: fwd(g, s, b["tokens"], b["positions"], segment_ids_BT=b["segment_ids"])[0])}
+    out = {
+        "train_mode": mean_loss(lambda b: fwd(g, s, b["tokens"], b["positions"], segment_ids_BT=b["segment_ids"])[0])
+    }
     lut = ML.build_lut(model, dtype="float16")
     gl, sl = nnx.split(ML.to_lut_model(model))
     lfwd = jax.jit(lut_forward, static_argnums=0)
@@ -72,14 +79,24 @@ def lut_eval(workdir: str, quants=(("nf4", 0), ("nf3", 0))) -> dict:
         block = block or (cfg.d_model if kind == "nf4" else max(8, cfg.d_model // 4))
         stores[f"lut_{kind}_b{block}"] = ML.HostLUT(lut, quant=kind, block=block)
     for name, store in stores.items():
-        out[name] = mean_loss(lambda b: lfwd(gl, sl, store.rows(b["tokens"]), b["tokens"], b["positions"],
-                                             segment_ids_BT=b["segment_ids"])[0])
+        out[name] = mean_loss(
+            lambda b: lfwd(
+                gl, sl, store.rows(b["tokens"]), b["tokens"], b["positions"], segment_ids_BT=b["segment_ids"]
+            )[0]
+        )
         out[name + "_storage_vs_fp16"] = store.nbytes / stores["lut_fp16"].nbytes
     return out
 
 
-def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0, seeds=(0,), tokenizer: str = "",
-            results_name: str = "quality.json") -> dict:
+def run_all(
+    out: str,
+    kinds=KINDS,
+    scale: str = "cpu",
+    steps: int = 0,
+    seeds=(0,),
+    tokenizer: str = "",
+    results_name: str = "quality.json",
+) -> dict:
     """Train every (variant, seed) in ``out/<kind>`` (seed 0) or ``out/<kind>_s<seed>`` (resumes
     finished ones) and return their summaries, keyed ``kind`` / ``kind_s<seed>``. Every run uses
     one tokenizer: ``tokenizer`` if given, else the first finished run's, else the first run trains it."""
@@ -90,15 +107,22 @@ def run_all(out: str, kinds=KINDS, scale: str = "cpu", steps: int = 0, seeds=(0,
     qpath = os.path.join(out, results_name)
     results = json.load(open(qpath)) if os.path.exists(qpath) else {}  # extend an earlier run
     name = lambda k, sd: k if sd == 0 else f"{k}_s{sd}"
-    tok = tokenizer or next((os.path.join(out, k, "tokenizer") for k in KINDS
-                             if os.path.exists(os.path.join(out, k, "tokenizer", "tokenizer.json"))), "")
+    tok = tokenizer or next(
+        (
+            os.path.join(out, k, "tokenizer")
+            for k in KINDS
+            if os.path.exists(os.path.join(out, k, "tokenizer", "tokenizer.json"))
+        ),
+        "",
+    )
     for seed in seeds:
         for kind in kinds:
             arg = f"kind={kind},scale={scale},steps={steps},seed={seed}" + (f",tokenizer={tok}" if tok else "")
             res = train(load_config(get_config(arg)), os.path.join(out, name(kind, seed)))
             tok = tok or os.path.join(out, name(kind, seed), "tokenizer")
-            results[name(kind, seed)] = {k: res[k] for k in ("eval_loss", "train_loss", "num_params", "tokens_per_s",
-                                                              "wall_s")}
+            results[name(kind, seed)] = {
+                k: res[k] for k in ("eval_loss", "train_loss", "num_params", "tokens_per_s", "wall_s")
+            }
             print(json.dumps({name(kind, seed): results[name(kind, seed)]}), flush=True)
             with open(qpath, "w") as f:  # after each model: partial runs keep results
                 json.dump(results, f, indent=2)
@@ -115,5 +139,12 @@ if __name__ == "__main__":
     p.add_argument("--tokenizer", default="", help="a trained tokenizer dir shared by every run")
     p.add_argument("--results", default="quality.json", help="results file name under --out")
     args = p.parse_args()
-    run_all(args.out, tuple(args.kinds.split(",")), args.scale, args.steps,
-            tuple(int(x) for x in args.seeds.split(",")), args.tokenizer, args.results)
+    run_all(
+        args.out,
+        tuple(args.kinds.split(",")),
+        args.scale,
+        args.steps,
+        tuple(int(x) for x in args.seeds.split(",")),
+        args.tokenizer,
+        args.results,
+    )

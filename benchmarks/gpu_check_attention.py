@@ -68,44 +68,82 @@ def _checks() -> list:
     for dtype, tol, H, K in ((jnp.float32, 2e-5, 8, 2), (jnp.bfloat16, 3e-2, 8, 8), (jnp.bfloat16, 3e-2, 16, 2)):
         q, k, v = rnd((2, T, H, 64), dtype, 1), rnd((2, T, K, 64), dtype, 2), rnd((2, T, K, 64), dtype, 3)
         f32 = lambda x: x.astype(jnp.float32)
-        check(f"flash {jnp.dtype(dtype).name} T={T} H={H} K={K}",
-              lambda: maxdiff(jax.jit(lambda q, k, v: flash_attention(q, k, v, interpret=interpret))(q, k, v),
-                              ref(f32(q), f32(k), f32(v))), tol)
+        check(
+            f"flash {jnp.dtype(dtype).name} T={T} H={H} K={K}",
+            lambda: maxdiff(
+                jax.jit(lambda q, k, v: flash_attention(q, k, v, interpret=interpret))(q, k, v),
+                ref(f32(q), f32(k), f32(v)),
+            ),
+            tol,
+        )
     q, k, v = rnd((1, T, 8, 64), jnp.float32, 4), rnd((1, T, 2, 64), jnp.float32, 5), rnd((1, T, 2, 64), jnp.float32, 6)
     seg = (jnp.arange(T)[None] >= T // 3).astype(jnp.int32)
-    check("flash segments+window", lambda: maxdiff(
-        flash_attention(q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37, interpret=interpret),
-        ref(q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37)), 2e-5)
+    check(
+        "flash segments+window",
+        lambda: maxdiff(
+            flash_attention(
+                q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37, interpret=interpret
+            ),
+            ref(q, k, v, q_segment_ids_BT=seg, k_segment_ids_BS=seg, sliding_window=37),
+        ),
+        2e-5,
+    )
     w = rnd(q.shape, jnp.float32, 7)
     g_rf = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), (0, 1, 2)))
     for bwd in ("pallas", "reference"):
-        g_fl = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, interpret=interpret, backward=bwd) * w),
-                                (0, 1, 2)))
-        check(f"flash grads backward={bwd}", lambda: max(float(maxdiff(a, b)) for a, b in zip(g_fl(q, k, v), g_rf(q, k, v))),
-              1e-4)
+        g_fl = jax.jit(
+            jax.grad(
+                lambda q, k, v: jnp.sum(flash_attention(q, k, v, interpret=interpret, backward=bwd) * w), (0, 1, 2)
+            )
+        )
+        check(
+            f"flash grads backward={bwd}",
+            lambda: max(float(maxdiff(a, b)) for a, b in zip(g_fl(q, k, v), g_rf(q, k, v))),
+            1e-4,
+        )
 
     S = 4096 if not on_cpu else 256
     for dtype, tol, H, K in ((jnp.float32, 2e-5, 8, 2), (jnp.bfloat16, 3e-2, 8, 8), (jnp.bfloat16, 3e-2, 32, 4)):
         q, k, v = rnd((3, 1, H, 128), dtype, 8), rnd((3, S, K, 128), dtype, 9), rnd((3, S, K, 128), dtype, 10)
         pos = jnp.array([[5], [S // 2 + 3], [S - 1]])
         f32 = lambda x: x.astype(jnp.float32)
-        check(f"decode {jnp.dtype(dtype).name} S={S} H={H} K={K}", lambda: maxdiff(
-            jax.jit(lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret))(q, k, v, pos),
-            ref(f32(q), f32(k), f32(v), q_positions_BT=pos)), tol)
+        check(
+            f"decode {jnp.dtype(dtype).name} S={S} H={H} K={K}",
+            lambda: maxdiff(
+                jax.jit(lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret))(q, k, v, pos),
+                ref(f32(q), f32(k), f32(v), q_positions_BT=pos),
+            ),
+            tol,
+        )
         # the dense KV cache's own layout: head-major [B, K, S, D] (one contiguous [S, D] block per head)
         kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        check(f"decode head-major {jnp.dtype(dtype).name} S={S} H={H} K={K}", lambda: maxdiff(
-            jax.jit(lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret,
-                                                    kv_layout="BKSD"))(q, kh, vh, pos),
-            ref(f32(q), f32(k), f32(v), q_positions_BT=pos)), tol)
-    q, k, v = rnd((2, 1, 8, 128), jnp.float32, 11), rnd((2, S, 2, 128), jnp.float32, 12), rnd((2, S, 2, 128), jnp.float32, 13)
+        check(
+            f"decode head-major {jnp.dtype(dtype).name} S={S} H={H} K={K}",
+            lambda: maxdiff(
+                jax.jit(
+                    lambda q, k, v, p: dense_decode(q, k, v, q_positions_BT=p, interpret=interpret, kv_layout="BKSD")
+                )(q, kh, vh, pos),
+                ref(f32(q), f32(k), f32(v), q_positions_BT=pos),
+            ),
+            tol,
+        )
+    q, k, v = (
+        rnd((2, 1, 8, 128), jnp.float32, 11),
+        rnd((2, S, 2, 128), jnp.float32, 12),
+        rnd((2, S, 2, 128), jnp.float32, 13),
+    )
     kq, ks = quantize_int8(k)
     vq, vs = quantize_int8(v)
     src = scaled_int8_source(kq, ks, vq, vs)
     qg = q.reshape(2, 2, 4, 128)
     lens = jnp.array([S, S // 3])
-    check("decode int8 KVSource", lambda: maxdiff(decode_attention(qg, src, lens, interpret=interpret),
-                                                 jax.jit(decode_attention_reference)(qg, src, lens)), 2e-5)
+    check(
+        "decode int8 KVSource",
+        lambda: maxdiff(
+            decode_attention(qg, src, lens, interpret=interpret), jax.jit(decode_attention_reference)(qg, src, lens)
+        ),
+        2e-5,
+    )
 
     # CateKV: Pallas decode over both parts == jnp path
     cfg = ModelConfig(vocab_size=8, d_model=10 * 2 * 128, n_layers=1, n_heads=20, n_kv_heads=10, head_dim=128, d_ff=8)
@@ -115,10 +153,18 @@ def _checks() -> list:
     mask[0, :4] = True
     cache = init_catekv_cache(cfg, 1, N + 128, mask, catekv_cfg=ccfg, max_new_tokens=128).layer(0)
     k, v = rnd((1, N, 10, 128), jnp.float32, 14), rnd((1, N, 10, 128), jnp.float32, 15)
-    cache = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.array([N])))(cache, rnd((1, 64, 20, 128), jnp.float32, 16), k, v)
+    cache = jax.jit(lambda c, ql, k, v: c.fill(ql, k, v, jnp.array([N])))(
+        cache, rnd((1, 64, 20, 128), jnp.float32, 16), k, v
+    )
     q, pos = rnd((1, 1, 20, 128), jnp.float32, 17), jnp.array([[N - 1]])
-    check("catekv attend pallas==ref", lambda: maxdiff(cache.attend(q, pos, impl="pallas", interpret=interpret),
-                                                       jax.jit(lambda c, q, p: c.attend(q, p))(cache, q, pos)), 2e-5)
+    check(
+        "catekv attend pallas==ref",
+        lambda: maxdiff(
+            cache.attend(q, pos, impl="pallas", interpret=interpret),
+            jax.jit(lambda c, q, p: c.attend(q, p))(cache, q, pos),
+        ),
+        2e-5,
+    )
     # CateKV ragged pools: 3 layers with 4 / 1 / 0 adaptive heads; layer 1's windows hold neighbours'
     # heads, which must be ignored by the Pallas path as by the jnp path
     cfg3 = cfg.replace(n_layers=3)
@@ -128,12 +174,22 @@ def _checks() -> list:
     cache3 = init_catekv_cache(cfg3, 1, N + 128, mask3, catekv_cfg=ccfg, max_new_tokens=128)
     fill = jax.jit(lambda c, i, ql, k, v: c.with_layer(i, c.layer(i).fill(ql, k, v, jnp.array([N]))))
     for i in range(3):
-        cache3 = fill(cache3, i, rnd((1, 64, 20, 128), jnp.float32, 20 + i), rnd((1, N, 10, 128), jnp.float32, 30 + i),
-                      rnd((1, N, 10, 128), jnp.float32, 40 + i))
+        cache3 = fill(
+            cache3,
+            i,
+            rnd((1, 64, 20, 128), jnp.float32, 20 + i),
+            rnd((1, N, 10, 128), jnp.float32, 30 + i),
+            rnd((1, N, 10, 128), jnp.float32, 40 + i),
+        )
     layer1 = cache3.layer(1)
-    check("catekv ragged pools attend pallas==ref",
-          lambda: maxdiff(layer1.attend(q, pos, impl="pallas", interpret=interpret),
-                          jax.jit(lambda c, q, p: c.attend(q, p))(layer1, q, pos)), 2e-5)
+    check(
+        "catekv ragged pools attend pallas==ref",
+        lambda: maxdiff(
+            layer1.attend(q, pos, impl="pallas", interpret=interpret),
+            jax.jit(lambda c, q, p: c.attend(q, p))(layer1, q, pos),
+        ),
+        2e-5,
+    )
     return failures
 
 

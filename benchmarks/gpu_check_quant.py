@@ -81,8 +81,12 @@ def main():
             clip = jnp.array([4.0, 3.0])
             qr, sr = kron_quantize(x, p1, p2, clip, impl="ref")
             qp, sp = kron_quantize(x, p1, p2, clip, impl="pallas", interpret=interp)
-            report(f"kron_quantize dyadic T={T} {n1}x{n2}", np.array_equal(np.asarray(qr), np.asarray(qp))
-                   and np.allclose(np.asarray(sr), np.asarray(sp), rtol=1e-6), f"mismatching bytes {int((qr != qp).sum())}")
+            report(
+                f"kron_quantize dyadic T={T} {n1}x{n2}",
+                np.array_equal(np.asarray(qr), np.asarray(qp))
+                and np.allclose(np.asarray(sr), np.asarray(sp), rtol=1e-6),
+                f"mismatching bytes {int((qr != qp).sum())}",
+            )
 
     def check_kron_random():
         for T, n1, n2 in [(129, 9, 64), (64, 64, 64)][: 2 if big else 1]:
@@ -93,9 +97,11 @@ def main():
                 qr, sr = kron_quantize(x, p1, p2, impl="ref")
             qp, sp = kron_quantize(x, p1, p2, impl="pallas", interpret=interp)
             d = np.abs(np.asarray(unpack_int4(qr), np.int32) - np.asarray(unpack_int4(qp), np.int32))
-            report(f"kron_quantize random T={T} {n1}x{n2}", d.max() <= 1 and d.mean() < 5e-3,
-                   f"max code diff {d.max()}, frac {d.mean():.2e}, scale rel {np.abs(np.asarray(sp / sr - 1)).max():.1e}")
-
+            report(
+                f"kron_quantize random T={T} {n1}x{n2}",
+                d.max() <= 1 and d.mean() < 5e-3,
+                f"max code diff {d.max()}, frac {d.mean():.2e}, scale rel {np.abs(np.asarray(sp / sr - 1)).max():.1e}",
+            )
 
     def check_int_gemm():
         for T, K, N in [(77, 576, 1536), (256, 4096, 4096)][: 2 if big else 1]:
@@ -107,15 +113,24 @@ def main():
             out = int_gemm(xp, one_t, wp, one_n, impl="pallas", interpret=interp, block_m=64, block_n=128, block_k=64)
             report(f"int_gemm T={T} K={K} N={N}", np.array_equal(np.asarray(out), acc), "int32 accumulator exact")
             if K == 4096:
-                xs, ws = jnp.asarray(rng.uniform(0.1, 1, T), jnp.float32), jnp.asarray(rng.uniform(0.1, 1, N), jnp.float32)
-                f_p = jax.jit(lambda a, b, c, d: int_gemm(a, b, c, d, impl="pallas", interpret=interp,
-                                                          block_m=64, block_n=128, block_k=64))
+                xs, ws = (
+                    jnp.asarray(rng.uniform(0.1, 1, T), jnp.float32),
+                    jnp.asarray(rng.uniform(0.1, 1, N), jnp.float32),
+                )
+                f_p = jax.jit(
+                    lambda a, b, c, d: int_gemm(
+                        a, b, c, d, impl="pallas", interpret=interp, block_m=64, block_n=128, block_k=64
+                    )
+                )
                 f_r = jax.jit(lambda a, b, c, d: int_gemm(a, b, c, d, impl="ref"))
                 xf, wf = jax.random.normal(jax.random.key(0), (T, K)), jax.random.normal(jax.random.key(1), (K, N))
                 f_f = jax.jit(lambda a, b: a @ b)
                 ts = {}
-                for name, fn, a in (("pallas_int4", f_p, (xp, xs, wp, ws)), ("ref", f_r, (xp, xs, wp, ws)),
-                                    ("fp32_gemm", f_f, (xf, wf))):
+                for name, fn, a in (
+                    ("pallas_int4", f_p, (xp, xs, wp, ws)),
+                    ("ref", f_r, (xp, xs, wp, ws)),
+                    ("fp32_gemm", f_f, (xf, wf)),
+                ):
                     jax.block_until_ready(fn(*a))
                     t = time.perf_counter()
                     for _ in range(20):
@@ -123,7 +138,6 @@ def main():
                     jax.block_until_ready(r)
                     ts[name] = (time.perf_counter() - t) / 20 * 1e3
                 print("  int_gemm timings (ms):", {k: round(v, 3) for k, v in ts.items()}, flush=True)
-
 
     def check_kv4_decode():
         B, H, K, S, Dh = 4, 9, 3, (1000 if big else 200), 64
@@ -137,23 +151,27 @@ def main():
         for window in (None, 100):
             with jax.default_matmul_precision("highest"):
                 ref = kv4_decode_attention(q, *cache, pos, sliding_window=window, impl="ref")
-            pal = kv4_decode_attention(q, *cache, pos, sliding_window=window, impl="pallas", interpret=interp, block_s=64)
+            pal = kv4_decode_attention(
+                q, *cache, pos, sliding_window=window, impl="pallas", interpret=interp, block_s=64
+            )
             err = float(np.abs(np.asarray(ref - pal)).max())
             report(f"kv4_decode window={window}", err < 5e-3, f"max abs err {err:.2e} (TF32 dots allowed)")
 
-
     def check_deployed_tiny():
         d_pre, d_dec, scale = deployed_tiny_model_diffs()
-        report("deployed tiny model, pallas vs ref", d_pre < 0.05 * scale and d_dec < 0.05 * scale,
-               f"prefill max |Δlogit| {d_pre:.2e}, decode {d_dec:.2e} (logit scale {scale:.2f}; rare rounding ties allowed)")
-
+        report(
+            "deployed tiny model, pallas vs ref",
+            d_pre < 0.05 * scale and d_dec < 0.05 * scale,
+            f"prefill max |Δlogit| {d_pre:.2e}, decode {d_dec:.2e} "
+            f"(logit scale {scale:.2f}; rare rounding ties allowed)",
+        )
 
     for fn in (check_kron_dyadic, check_kron_random, check_int_gemm, check_kv4_decode, check_deployed_tiny):
         try:  # one broken lowering must not hide the other checks
             fn()
         except Exception:
             traceback.print_exc()
-            report(fn.__name__, False, 'raised (traceback above)')
+            report(fn.__name__, False, "raised (traceback above)")
 
     if big:
         from pallasite.benchmarks import quant as bench

@@ -21,8 +21,11 @@ from typing import Any, Mapping, Optional
 from pallasite import registry
 
 # (seam field, its sub-config field, registry)
-SEAMS = (("ffn", "ffn_config", registry.FFN), ("linear", "linear_config", registry.LINEAR),
-         ("kv_cache", "kv_cache_config", registry.KV_CACHE))
+SEAMS = (
+    ("ffn", "ffn_config", registry.FFN),
+    ("linear", "linear_config", registry.LINEAR),
+    ("kv_cache", "kv_cache_config", registry.KV_CACHE),
+)
 REMAT_KINDS = ("none", "full", "dots")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
 LAYER_TYPES = ("full", "sliding")  # per layer: global causal | causal within sliding_window
@@ -106,8 +109,9 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self.validate()
         for kind_field, config_field, reg in SEAMS:
-            value = reg.make_config(getattr(self, kind_field), getattr(self, config_field),
-                                    field=f"ModelConfig.{config_field}")
+            value = reg.make_config(
+                getattr(self, kind_field), getattr(self, config_field), field=f"ModelConfig.{config_field}"
+            )
             object.__setattr__(self, config_field, value)
 
     # ------------------------------------------------------------------ helpers
@@ -139,7 +143,11 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes``; changing a seam's kind drops its old sub-config (defaults)."""
         for kind_field, config_field, _ in SEAMS:
-            if kind_field in changes and config_field not in changes and changes[kind_field] != getattr(self, kind_field):
+            if (
+                kind_field in changes
+                and config_field not in changes
+                and changes[kind_field] != getattr(self, kind_field)
+            ):
                 changes[config_field] = None
         return dataclasses.replace(self, **changes)
 
@@ -154,8 +162,10 @@ class ModelConfig:
             self.n_heads % self.n_kv_heads == 0,
             f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} (grouped-query attention)",
         )
-        need(self.head_dim is not None or self.d_model % self.n_heads == 0,
-             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim explicitly")
+        need(
+            self.head_dim is not None or self.d_model % self.n_heads == 0,
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim explicitly",
+        )
         need(self.dh % 2 == 0, f"head_dim={self.dh} must be even for rotary embeddings")
         for kind_field, _, reg in SEAMS:
             reg.check(getattr(self, kind_field), field=f"ModelConfig.{kind_field}")
@@ -163,19 +173,29 @@ class ModelConfig:
         need(self.qk_norm_scope in ("head", "full"), f"qk_norm_scope={self.qk_norm_scope!r}; expected head | full")
         need(self.remat in REMAT_KINDS, f"remat={self.remat!r}; expected one of {REMAT_KINDS}")
         need(self.hidden_act in ACTIVATIONS, f"hidden_act={self.hidden_act!r}; expected one of {ACTIVATIONS}")
-        need(self.sliding_window is None or int(self.sliding_window) > 0,
-             f"sliding_window={self.sliding_window!r} must be a positive integer or None")
+        need(
+            self.sliding_window is None or int(self.sliding_window) > 0,
+            f"sliding_window={self.sliding_window!r} must be a positive integer or None",
+        )
         if self.layer_types is not None:
-            need(len(self.layer_types) == self.n_layers,
-                 f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}")
+            need(
+                len(self.layer_types) == self.n_layers,
+                f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}",
+            )
             bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
             need(not bad, f"layer_types {bad} unknown; expected each of {LAYER_TYPES}")
-            need("sliding" not in self.layer_types or self.sliding_window is not None,
-                 "layer_types has 'sliding' layers but sliding_window is None")
-        need(self.rope_local_theta is None or self.layer_types is not None,
-             "rope_local_theta needs layer_types (it is the RoPE base of the 'sliding' layers)")
-        need(self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) > 0,
-             f"query_pre_attn_scalar={self.query_pre_attn_scalar!r} must be positive or None")
+            need(
+                "sliding" not in self.layer_types or self.sliding_window is not None,
+                "layer_types has 'sliding' layers but sliding_window is None",
+            )
+        need(
+            self.rope_local_theta is None or self.layer_types is not None,
+            "rope_local_theta needs layer_types (it is the RoPE base of the 'sliding' layers)",
+        )
+        need(
+            self.query_pre_attn_scalar is None or float(self.query_pre_attn_scalar) > 0,
+            f"query_pre_attn_scalar={self.query_pre_attn_scalar!r} must be positive or None",
+        )
 
     def to_dict(self) -> dict:
         out = {}
@@ -213,8 +233,14 @@ class ModelConfig:
 
 # Gemma 3 text (transformers' Gemma3ForCausalLM): the flags every gemma3_text config sets; the
 # shapes, layer_types, window and RoPE bases come from its config.json / GGUF metadata.
-GEMMA3_FLAGS = dict(family="gemma3_text", norm_unit_offset=True, sandwich_norm=True,
-                    scale_embeddings=True, qk_norm=True, qk_norm_scope="head")
+GEMMA3_FLAGS = dict(
+    family="gemma3_text",
+    norm_unit_offset=True,
+    sandwich_norm=True,
+    scale_embeddings=True,
+    qk_norm=True,
+    qk_norm_scope="head",
+)
 
 
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> tuple:

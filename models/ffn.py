@@ -24,9 +24,13 @@ class DenseFFN(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
         d_ff = cfg.d_ff if d_ff is None else d_ff
         self.act = activation(cfg.hidden_act)
-        self.gate_proj = make_linear(cfg.d_model, d_ff, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs)
+        self.gate_proj = make_linear(
+            cfg.d_model, d_ff, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs
+        )
         self.up_proj = make_linear(cfg.d_model, d_ff, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs)
-        self.down_proj = make_linear(d_ff, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs)
+        self.down_proj = make_linear(
+            d_ff, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs
+        )
 
     def __call__(self, x_BTD: jax.Array, ctx: ForwardContext | None = None):
         x_in = self.gate_proj.prepare_shared_input(x_BTD)  # gate and up read one input

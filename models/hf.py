@@ -61,22 +61,30 @@ def linear_from_hf(read: Read, name: str, in_out_shape) -> np.ndarray:
 
 
 # (relative pallasite path under the block's ffn module, HF suffix after prefix, is a linear kernel)
-_DENSE_FFN = [(("gate_proj", "kernel"), "mlp.gate_proj.weight", True),
-              (("up_proj", "kernel"), "mlp.up_proj.weight", True),
-              (("down_proj", "kernel"), "mlp.down_proj.weight", True),
-              (("gate_proj", "bias"), "mlp.gate_proj.bias", False),
-              (("up_proj", "bias"), "mlp.up_proj.bias", False),
-              (("down_proj", "bias"), "mlp.down_proj.bias", False)]
+_DENSE_FFN = [
+    (("gate_proj", "kernel"), "mlp.gate_proj.weight", True),
+    (("up_proj", "kernel"), "mlp.up_proj.weight", True),
+    (("down_proj", "kernel"), "mlp.down_proj.weight", True),
+    (("gate_proj", "bias"), "mlp.gate_proj.bias", False),
+    (("up_proj", "bias"), "mlp.up_proj.bias", False),
+    (("down_proj", "bias"), "mlp.down_proj.bias", False),
+]
 
 
 def _dense_to_hf(cfg, ffn_params, prefix, layer):
-    return {prefix + hf: (linear_to_hf(ffn_params[p]) if lin else ffn_params[p])
-            for p, hf, lin in _DENSE_FFN if p in ffn_params}
+    return {
+        prefix + hf: (linear_to_hf(ffn_params[p]) if lin else ffn_params[p])
+        for p, hf, lin in _DENSE_FFN
+        if p in ffn_params
+    }
 
 
 def _dense_from_hf(cfg, read, prefix, layer, expected):
-    return {p: (linear_from_hf(read, prefix + hf, expected[p]) if lin else read(prefix + hf, shape=expected[p]))
-            for p, hf, lin in _DENSE_FFN if p in expected}
+    return {
+        p: (linear_from_hf(read, prefix + hf, expected[p]) if lin else read(prefix + hf, shape=expected[p]))
+        for p, hf, lin in _DENSE_FFN
+        if p in expected
+    }
 
 
 HF_FFN.register("dense", (_dense_to_hf, _dense_from_hf))
@@ -84,26 +92,36 @@ HF_FFN.register("dense", (_dense_to_hf, _dense_from_hf))
 # Attention is the same for every family (a linear kind keeps kernel/bias names).
 _ATTN = [(("attn", n, "kernel"), f"self_attn.{n}.weight", True) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
 _ATTN += [(("attn", n, "bias"), f"self_attn.{n}.bias", False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-_ATTN += [(("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
-          (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False)]
-_NORMS = [(("input_norm", "scale"), "input_layernorm.weight", False),
-          (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False)]
+_ATTN += [
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
+]
+_NORMS = [
+    (("input_norm", "scale"), "input_layernorm.weight", False),
+    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
+]
 # Gemma 2/3 (cfg.sandwich_norm): HF's post_attention_layernorm norms the attention *output*; the
 # FFN's input norm (our post_attn_norm) is pre_feedforward_layernorm. Weights stay as HF stores
 # them (Gemma's (1 + w) is applied at run time, models/layers.py).
-_SANDWICH_NORMS = [(("input_norm", "scale"), "input_layernorm.weight", False),
-                   (("attn_out_norm", "scale"), "post_attention_layernorm.weight", False),
-                   (("post_attn_norm", "scale"), "pre_feedforward_layernorm.weight", False),
-                   (("ffn_out_norm", "scale"), "post_feedforward_layernorm.weight", False)]
+_SANDWICH_NORMS = [
+    (("input_norm", "scale"), "input_layernorm.weight", False),
+    (("attn_out_norm", "scale"), "post_attention_layernorm.weight", False),
+    (("post_attn_norm", "scale"), "pre_feedforward_layernorm.weight", False),
+    (("ffn_out_norm", "scale"), "post_feedforward_layernorm.weight", False),
+]
 _BLOCK = _ATTN + _NORMS
 
 
 def block_table(cfg: ModelConfig) -> list:
     """(pallasite path in a block, HF suffix, is a linear kernel) for the attention and norms."""
     return _ATTN + (_SANDWICH_NORMS if cfg.sandwich_norm else _NORMS)
-_TOP = [(("embed", "embedding"), "model.embed_tokens.weight", False),
-        (("final_norm", "scale"), "model.norm.weight", False),
-        (("lm_head", "kernel"), "lm_head.weight", True)]
+
+
+_TOP = [
+    (("embed", "embedding"), "model.embed_tokens.weight", False),
+    (("final_norm", "scale"), "model.norm.weight", False),
+    (("lm_head", "kernel"), "lm_head.weight", True),
+]
 
 
 def _split_block(rel_params: Mapping[tuple, Any], table: list = _BLOCK):
@@ -143,35 +161,43 @@ def check_safetensors_file(file_path: str) -> None:
     size = os.path.getsize(file_path)
     fix = "re-download or re-export it"
     if size == 0:
-        raise DataError(f"{file_path}: the file is empty (0 bytes); expected a safetensors file; "
-                        f"{fix}")
+        raise DataError(f"{file_path}: the file is empty (0 bytes); expected a safetensors file; {fix}")
     with open(file_path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise DataError(f"{file_path}: truncated: {size} bytes, fewer than the 8-byte header "
-                            f"length of a safetensors file; {fix}")
+            raise DataError(
+                f"{file_path}: truncated: {size} bytes, fewer than the 8-byte header "
+                f"length of a safetensors file; {fix}"
+            )
         n = int.from_bytes(head, "little")
         first = f.read(1)
         if n > _MAX_HEADER_BYTES or first != b"{":
-            raise DataError(f"{file_path}: not a safetensors file (it does not start with an 8-byte "
-                            f"header length and a JSON header; first bytes {head + first!r})")
+            raise DataError(
+                f"{file_path}: not a safetensors file (it does not start with an 8-byte "
+                f"header length and a JSON header; first bytes {head + first!r})"
+            )
         f.seek(8)
         if n > size - 8:
-            raise DataError(f"{file_path}: truncated: the header needs {n:,} bytes after the first "
-                            f"8, the file has {size - 8:,}; {fix}")
+            raise DataError(
+                f"{file_path}: truncated: the header needs {n:,} bytes after the first "
+                f"8, the file has {size - 8:,}; {fix}"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DataError(f"{file_path}: not a safetensors file (its header is not JSON)") \
-                from None
+            raise DataError(f"{file_path}: not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise DataError(f"{file_path}: not a safetensors file (its header is not a JSON object)")
-    ends = [int(v["data_offsets"][1]) for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    ends = [
+        int(v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+    ]
     need = 8 + n + max(ends, default=0)
     if need > size:
-        raise DataError(f"{file_path}: truncated: its {len(ends)} tensors need {need:,} bytes, "
-                        f"the file has {size:,}; {fix}")
+        raise DataError(
+            f"{file_path}: truncated: its {len(ends)} tensors need {need:,} bytes, the file has {size:,}; {fix}"
+        )
 
 
 class _Reader:
@@ -190,8 +216,9 @@ class _Reader:
                     weight_map = json.load(f)["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                raise DataError(f"{index}: not a safetensors index (expected JSON with a "
-                                f"'weight_map' of tensor name -> shard file)") from None
+                raise DataError(
+                    f"{index}: not a safetensors index (expected JSON with a 'weight_map' of tensor name -> shard file)"
+                ) from None
             missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
             if missing:
                 raise DataError(f"{index} names shard(s) that are not in {path}: {missing[:4]}")
@@ -217,7 +244,8 @@ class _Reader:
             for k, fn in weight_map.items():
                 if self.where.get(k) != fn:
                     raise CheckpointMismatchError(
-                        f"{SAFETENSORS_INDEX} maps tensor {k!r} to {fn}, but it is in {self.where.get(k, 'no shard')}")
+                        f"{SAFETENSORS_INDEX} maps tensor {k!r} to {fn}, but it is in {self.where.get(k, 'no shard')}"
+                    )
         self.consumed: set[str] = set()
 
     def shape(self, name: str) -> tuple:
@@ -232,7 +260,8 @@ class _Reader:
             raise CheckpointMismatchError(f"{self.path}: missing tensor {name!r}{exp}")
         if shape is not None and self.shape(name) != tuple(shape):
             raise CheckpointMismatchError(
-                f"{self.path}: tensor {name!r} has shape {self.shape(name)}, expected {tuple(shape)}")
+                f"{self.path}: tensor {name!r} has shape {self.shape(name)}, expected {tuple(shape)}"
+            )
         self.consumed.add(name)
         return self.handles[self.where[name]].get_tensor(name)
 
@@ -247,7 +276,9 @@ def _check_cover(got: Mapping, expected: Mapping, where: str):
         raise CheckpointMismatchError(f"{where}: mapping produced no value for {missing} and unexpected {extra}")
     for p, shp in expected.items():
         if tuple(got[p].shape) != tuple(shp):
-            raise CheckpointMismatchError(f"{where}: parameter {p} has shape {tuple(got[p].shape)}, expected {tuple(shp)}")
+            raise CheckpointMismatchError(
+                f"{where}: parameter {p} has shape {tuple(got[p].shape)}, expected {tuple(shp)}"
+            )
 
 
 def read_hf_config(path: str) -> dict:
@@ -258,8 +289,7 @@ def read_hf_config(path: str) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{file_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise DataError(f"{file_path}: expected a JSON object of model settings, "
-                        f"got {type(config).__name__}")
+        raise DataError(f"{file_path}: expected a JSON object of model settings, got {type(config).__name__}")
     return config
 
 
@@ -314,13 +344,17 @@ def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg:
         # Some exporters save the tied head anyway; accept it only if it really is the embedding.
         head = read("lm_head.weight", shape=(cfg.vocab_size, cfg.d_model))
         if not np.array_equal(head, values[("embed", "embedding")]):
-            raise CheckpointMismatchError(f"{path}: tie_word_embeddings=True but lm_head.weight differs from "
-                                          "model.embed_tokens.weight")
+            raise CheckpointMismatchError(
+                f"{path}: tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+            )
     per_layer = []
     for i in range(cfg.n_layers):
         prefix = _layer_prefix(i)
-        layer = {p: (linear_from_hf(read, prefix + hf, base_shapes[p]) if lin else read(prefix + hf, shape=base_shapes[p]))
-                 for p, hf, lin in table if p in base_shapes}
+        layer = {
+            p: (linear_from_hf(read, prefix + hf, base_shapes[p]) if lin else read(prefix + hf, shape=base_shapes[p]))
+            for p, hf, lin in table
+            if p in base_shapes
+        }
         ffn = ffn_from_hf(cfg, read, prefix, i, ffn_shapes)
         _check_cover(ffn, ffn_shapes, f"layer {i} ffn ({cfg.ffn})")
         layer.update({("ffn",) + p: v for p, v in ffn.items()})
@@ -330,7 +364,8 @@ def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg:
         shown = ", ".join(f"{k} {read.shape(k)}" for k in extra[:20])
         raise CheckpointMismatchError(
             f"{path}: {len(extra)} unexpected tensor(s) not used by the {cfg.family} model (ffn={cfg.ffn}, "
-            f"tie_embeddings={cfg.tie_embeddings}): {shown}{' …' if len(extra) > 20 else ''}")
+            f"tie_embeddings={cfg.tie_embeddings}): {shown}{' …' if len(extra) > 20 else ''}"
+        )
 
     if cfg.scan_layers:
         for rel in layer_shapes:
@@ -350,6 +385,7 @@ def import_hf(path: str, *, dtype=None, scan_layers: Optional[bool] = None, cfg:
 
 
 # --------------------------------------------------------------------------- writing
+
 
 def state_to_hf_tensors(cfg: ModelConfig, state) -> dict[str, np.ndarray]:
     """{HF name: numpy array} for a pallasite state (either layout), in HF's layout."""

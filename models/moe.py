@@ -73,24 +73,37 @@ class MoEConfig:
         need(self.num_experts >= 1, f"num_experts must be ≥ 1, got {self.num_experts}")
         need(1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         need(self.d_expert is None or self.d_expert > 0, f"d_expert must be positive, got {self.d_expert}")
-        need(self.capacity_factor is None or self.capacity_factor > 0,
-             f"capacity_factor must be positive or None (dropless), got {self.capacity_factor}")
-        need(self.gmm_impl in ("auto", "ref", "tiles", "pallas"),
-             f"gmm_impl={self.gmm_impl!r}; expected auto | ref | tiles | pallas")
+        need(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            f"capacity_factor must be positive or None (dropless), got {self.capacity_factor}",
+        )
+        need(
+            self.gmm_impl in ("auto", "ref", "tiles", "pallas"),
+            f"gmm_impl={self.gmm_impl!r}; expected auto | ref | tiles | pallas",
+        )
         need(self.dispatch in DISPATCH_MODES, f"dispatch={self.dispatch!r}; expected one of {DISPATCH_MODES}")
         need(self.prune in PRUNE_KINDS, f"prune={self.prune!r}; expected one of {PRUNE_KINDS}")
         if self.occult_max_devices is not None:
-            need(self.occult_devices is not None, "occult_max_devices needs occult_devices (the number N_d of expert groups)")
-            need(1 <= self.occult_max_devices <= self.occult_devices,
-                 f"occult_max_devices={self.occult_max_devices} must be in [1, occult_devices={self.occult_devices}]")
+            need(
+                self.occult_devices is not None,
+                "occult_max_devices needs occult_devices (the number N_d of expert groups)",
+            )
+            need(
+                1 <= self.occult_max_devices <= self.occult_devices,
+                f"occult_max_devices={self.occult_max_devices} must be in [1, occult_devices={self.occult_devices}]",
+            )
         if self.occult_devices is not None:
-            need(self.num_experts % self.occult_devices == 0,
-                 f"occult_devices={self.occult_devices} does not divide num_experts={self.num_experts}")
+            need(
+                self.num_experts % self.occult_devices == 0,
+                f"occult_devices={self.occult_devices} does not divide num_experts={self.num_experts}",
+            )
         if self.occult_max_devices is not None:
             e_loc = self.num_experts // self.occult_devices
-            need(self.occult_max_devices * e_loc >= self.top_k,
-                 f"occult_max_devices={self.occult_max_devices} devices × {e_loc} experts each cannot hold "
-                 f"top_k={self.top_k} experts")
+            need(
+                self.occult_max_devices * e_loc >= self.top_k,
+                f"occult_max_devices={self.occult_max_devices} devices × {e_loc} experts each cannot hold "
+                f"top_k={self.top_k} experts",
+            )
 
 
 def moe_config_of(cfg: ModelConfig) -> MoEConfig:
@@ -127,27 +140,34 @@ class MoE(nnx.Module):
         init = jax.nn.initializers.normal(0.02)
         self.router = nnx.Param(init(rngs.params(), (D, E), pdt), logical_axes=("embed", None))
         self.router_bias = nnx.Param(jnp.zeros((E,), pdt), logical_axes=(None,)) if m.router_bias else None
-        self.w_gate = (nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
-                       if m.gated else None)
+        self.w_gate = (
+            nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
+            if m.gated
+            else None
+        )
         self.w_up = nnx.Param(init(rngs.params(), (E, D, F), pdt), logical_axes=("expert", "embed", "expert_mlp"))
         self.w_down = nnx.Param(init(rngs.params(), (E, F, D), pdt), logical_axes=("expert", "expert_mlp", "embed"))
         if m.shared_expert_d_ff:
             self.shared_expert = DenseFFN(cfg.replace(mlp_bias=False), rngs=rngs, d_ff=m.shared_expert_d_ff)
             self.shared_gate = (
-                nnx.Param(init(rngs.params(), (D, 1), pdt), logical_axes=("embed", None)) if m.shared_expert_gate else None
+                nnx.Param(init(rngs.params(), (D, 1), pdt), logical_axes=("embed", None))
+                if m.shared_expert_gate
+                else None
             )
         else:
             self.shared_expert = None
             self.shared_gate = None
         self.similarity = (
             ExpertSimilarity(jnp.eye(E, dtype=jnp.float32))
-            if m.occult_max_devices is not None and m.prune == "similarity" else None
+            if m.occult_max_devices is not None and m.prune == "similarity"
+            else None
         )
 
     # ------------------------------------------------------------------ routing
     def router_logits(self, x_ND: jax.Array) -> jax.Array:
-        logits = jnp.dot(x_ND.astype(jnp.float32), self.router[...].astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
+        logits = jnp.dot(
+            x_ND.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
         if self.router_bias is not None:
             logits = logits + self.router_bias[...].astype(jnp.float32)
         return logits
@@ -160,8 +180,15 @@ class MoE(nnx.Module):
         probs, w, e = route(logits, m.top_k, norm_topk_prob=False)
         if m.occult_max_devices is not None and m.occult_max_devices < m.occult_devices:
             sim = None if self.similarity is None else self.similarity[...]
-            w, e = prune_routing(probs, w, e, num_devices=m.occult_devices, max_devices=m.occult_max_devices,
-                                 kind=m.prune, similarity_EE=sim)
+            w, e = prune_routing(
+                probs,
+                w,
+                e,
+                num_devices=m.occult_devices,
+                max_devices=m.occult_max_devices,
+                kind=m.prune,
+                similarity_EE=sim,
+            )
         if m.norm_topk_prob:
             w = w / jnp.sum(w, axis=-1, keepdims=True)
         w_BTK, e_BTK = w.reshape(B, T, -1), e.reshape(B, T, -1)
@@ -188,17 +215,35 @@ class MoE(nnx.Module):
         if ep_mesh is None:
             e_masked = jnp.where(keep_BTK, e_BTK, -1)
             y = expert_ffn_rows(
-                x_BTD.reshape(B * T, D), e_masked.reshape(B * T, -1), w_BTK.reshape(B * T, -1),
-                w_gate, self.w_up[...], self.w_down[...], act=self.act, gmm_impl=m.gmm_impl,
+                x_BTD.reshape(B * T, D),
+                e_masked.reshape(B * T, -1),
+                w_BTK.reshape(B * T, -1),
+                w_gate,
+                self.w_up[...],
+                self.w_down[...],
+                act=self.act,
+                gmm_impl=m.gmm_impl,
                 grouped_matmul=mm,
             ).reshape(B, T, D)
         else:
-            capacity = (expert_capacity(T, m.top_k, m.num_experts, m.capacity_factor)
-                        if m.capacity_factor is not None else None)
+            capacity = (
+                expert_capacity(T, m.top_k, m.num_experts, m.capacity_factor) if m.capacity_factor is not None else None
+            )
             y = expert_parallel_ffn(
-                x_BTD, e_BTK, w_BTK, keep_BTK, w_gate, self.w_up[...], self.w_down[...],
-                mesh=ep_mesh, expert_axis=m.expert_axis, mode=m.dispatch, act=self.act, gmm_impl=m.gmm_impl,
-                expert_capacity=capacity, grouped_matmul=mm,
+                x_BTD,
+                e_BTK,
+                w_BTK,
+                keep_BTK,
+                w_gate,
+                self.w_up[...],
+                self.w_down[...],
+                mesh=ep_mesh,
+                expert_axis=m.expert_axis,
+                mode=m.dispatch,
+                act=self.act,
+                gmm_impl=m.gmm_impl,
+                expert_capacity=capacity,
+                grouped_matmul=mm,
             )
         if self.shared_expert is not None:
             s, _ = self.shared_expert(x_BTD, ctx)

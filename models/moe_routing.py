@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+
 def route(logits_NE: jax.Array, top_k: int, norm_topk_prob: bool):
     """softmax → top-k (→ renormalise). Returns (probs_NE, weights_NK, experts_NK), float32."""
     probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)

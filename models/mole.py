@@ -94,8 +94,12 @@ class GeluMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, d_hidden: int, act: str, *, rngs: nnx.Rngs):
         self.act = activation(act)
-        self.up_proj = make_linear(cfg.d_model, d_hidden, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs)
-        self.down_proj = make_linear(d_hidden, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs)
+        self.up_proj = make_linear(
+            cfg.d_model, d_hidden, cfg=cfg, axes=("embed", "mlp"), use_bias=cfg.mlp_bias, rngs=rngs
+        )
+        self.down_proj = make_linear(
+            d_hidden, cfg.d_model, cfg=cfg, axes=("mlp", "embed"), use_bias=cfg.mlp_bias, rngs=rngs
+        )
 
     def __call__(self, x_BTD):
         return self.down_proj(self.act(self.up_proj(x_BTD)))
@@ -109,8 +113,9 @@ def experts_forward(n_XD: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act
     return jnp.einsum("...nf,nfd->...nd", f(h), down_NFD.astype(dtype))
 
 
-def mixed_experts_forward(n_XD: jax.Array, g_XN: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act: str,
-                          dtype) -> jax.Array:
+def mixed_experts_forward(
+    n_XD: jax.Array, g_XN: jax.Array, up_NDF: jax.Array, down_NFD: jax.Array, act: str, dtype
+) -> jax.Array:
     """``Σ_j g_j · E_j(n)`` without materialising the N expert outputs ``[..., N, D]``.
 
     Exact rewrite used by the training-mode FFN: ``Σ_j g_j W_down^j f(W_up^j n)
@@ -136,8 +141,11 @@ def unique_rows(ids_X: jax.Array, max_unique: int):
     new_X = jnp.concatenate([jnp.ones((1,), bool), sorted_X[1:] != sorted_X[:-1]])
     slot_sorted = jnp.cumsum(new_X.astype(jnp.int32)) - 1
     slot_X = jnp.zeros((X,), jnp.int32).at[order_X].set(slot_sorted)
-    rep_U = jnp.zeros((max_unique,), jnp.int32).at[jnp.where(new_X, slot_sorted, max_unique)].set(
-        order_X.astype(jnp.int32), mode="drop")
+    rep_U = (
+        jnp.zeros((max_unique,), jnp.int32)
+        .at[jnp.where(new_X, slot_sorted, max_unique)]
+        .set(order_X.astype(jnp.int32), mode="drop")
+    )
     return slot_sorted[-1] + 1, rep_U, jnp.minimum(slot_X, max_unique - 1)
 
 
@@ -151,7 +159,9 @@ def dedup_mixed_experts(n_XD, ids_X, g_XN, up_NDF, down_NFD, act: str, dtype, ma
         # up-projection + GELU once per distinct id ([U, N·F]); the gate-weighted down-projection
         # stays one GEMM over all rows (a per-expert [U, N, D] output would need N small GEMMs)
         N, D, F = up.shape
-        h_UF = jnp.dot(jnp.take(n_XD, rep_U, axis=0).astype(dtype), up.astype(dtype).transpose(1, 0, 2).reshape(D, N * F))
+        h_UF = jnp.dot(
+            jnp.take(n_XD, rep_U, axis=0).astype(dtype), up.astype(dtype).transpose(1, 0, 2).reshape(D, N * F)
+        )
         a_XNF = jnp.take(activation(act)(h_UF), slot_X, axis=0).reshape(-1, N, F) * g_XN.astype(dtype)[..., None]
         return jnp.dot(a_XNF.reshape(-1, N * F), down.astype(dtype).reshape(N * F, D))
 
@@ -168,10 +178,12 @@ class RoutedExperts(nnx.Module):
         pdt = jnp.dtype(cfg.param_dtype)
         init = jax.nn.initializers.normal(0.02)
         self.act, self.dtype = act, jnp.dtype(cfg.dtype)
-        self.up = nnx.Param(init(rngs.params(), (n_experts, cfg.d_model, d_expert), pdt),
-                            logical_axes=("expert", "embed", "expert_mlp"))
-        self.down = nnx.Param(init(rngs.params(), (n_experts, d_expert, cfg.d_model), pdt),
-                              logical_axes=("expert", "expert_mlp", "embed"))
+        self.up = nnx.Param(
+            init(rngs.params(), (n_experts, cfg.d_model, d_expert), pdt), logical_axes=("expert", "embed", "expert_mlp")
+        )
+        self.down = nnx.Param(
+            init(rngs.params(), (n_experts, d_expert, cfg.d_model), pdt), logical_axes=("expert", "expert_mlp", "embed")
+        )
 
     def __call__(self, n_BTD):
         return experts_forward(n_BTD, self.up[...], self.down[...], self.act, self.dtype)
@@ -189,7 +201,9 @@ class MoLEFFN(nnx.Module):
         self.shared = GeluMLP(cfg, m.d_shared or cfg.d_ff, m.activation, rngs=rngs)
         if self.n_experts:
             self.router = nnx.Param(
-                jax.nn.initializers.normal(0.02)(rngs.params(), (cfg.d_model, self.n_experts), jnp.dtype(cfg.param_dtype)),
+                jax.nn.initializers.normal(0.02)(
+                    rngs.params(), (cfg.d_model, self.n_experts), jnp.dtype(cfg.param_dtype)
+                ),
                 logical_axes=("embed", None),
             )
         else:
@@ -207,8 +221,9 @@ class MoLEFFN(nnx.Module):
     def gates(self, u_BTD: jax.Array) -> jax.Array:
         """g = softmax(u · R) over all N experts, in float32: ``[B, T, N]``."""
         # HIGHEST: a true fp32 matmul on accelerators too (TF32 / bf16 passes would not be "fp32")
-        logits = jnp.dot(u_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
+        logits = jnp.dot(
+            u_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
         return jax.nn.softmax(logits, axis=-1)
 
     def expert_outputs(self, embed_BTD: jax.Array) -> jax.Array:
@@ -230,8 +245,16 @@ class MoLEFFN(nnx.Module):
             X, D = B * T, self.d_model
             max_unique = min(int(self.dedup_fraction * X), self.vocab_size or X)
             if token_ids_BT is not None and 0 < max_unique < X:
-                mix = dedup_mixed_experts(n_BTD.reshape(X, D), token_ids_BT.reshape(X), g_BTN.reshape(X, -1),
-                                          ex.up[...], ex.down[...], ex.act, ex.dtype, max_unique).reshape(B, T, D)
+                mix = dedup_mixed_experts(
+                    n_BTD.reshape(X, D),
+                    token_ids_BT.reshape(X),
+                    g_BTN.reshape(X, -1),
+                    ex.up[...],
+                    ex.down[...],
+                    ex.act,
+                    ex.dtype,
+                    max_unique,
+                ).reshape(B, T, D)
             else:
                 mix = mixed_experts_forward(n_BTD, g_BTN, ex.up[...], ex.down[...], ex.act, ex.dtype)
             return y + mix.astype(y.dtype), {}
@@ -252,8 +275,9 @@ FFN.register("mole", MoLEFFN, config=MoLEConfig)
 
 
 # ----------------------------------------------------------------------------- variants
-def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2,
-                          moe_gated: bool = False) -> dict:
+def expert_variant_fields(
+    kind: str, d_ff: int, *, moe_width: str = "equal_params", top_k: int = 2, moe_gated: bool = False
+) -> dict:
     """ModelConfig fields (ffn / moe / mole / d_ff / hidden_act) of one variant of the paper's
     comparison for a dense FFN width ``d_ff`` = D_s: dense (MoLE with N = 0: non-gated GELU),
     moleN, moeN (top-k exact-GELU experts), dense_glu (gated control).
@@ -277,9 +301,19 @@ def expert_variant_fields(kind: str, d_ff: int, *, moe_width: str = "equal_param
             width = max(1, d_ff // top_k) if moe_width == "equal_params" else d_ff // 2
         else:  # k SwiGLU experts of width D_s/(1.5k) activate 2·d·D_s parameters, like the dense FFN
             width = max(1, round(d_ff * 2 / (3 * top_k))) if moe_width == "equal_params" else d_ff // 2
-        return dict(ffn="moe", hidden_act="gelu_exact",
-                    ffn_config=dict(num_experts=int(kind[3:]), top_k=top_k, d_expert=width, norm_topk_prob=True,
-                             gated=moe_gated, lb_loss_coef=0.01, z_loss_coef=0.001))
+        return dict(
+            ffn="moe",
+            hidden_act="gelu_exact",
+            ffn_config=dict(
+                num_experts=int(kind[3:]),
+                top_k=top_k,
+                d_expert=width,
+                norm_topk_prob=True,
+                gated=moe_gated,
+                lb_loss_coef=0.01,
+                z_loss_coef=0.001,
+            ),
+        )
     raise ValueError(f"unknown expert variant {kind!r}; expected dense | dense_glu | moleN | moeN")
 
 

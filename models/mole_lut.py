@@ -20,7 +20,6 @@ import os
 import struct
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +80,8 @@ def build_lut(model, *, dtype=None, chunk: int = 4096) -> np.ndarray:
         block = emb_VD[start:stop]
         if stop - start < chunk and V > chunk:  # pad the last chunk: one compiled shape
             block = jnp.pad(block, ((0, chunk - (stop - start)), (0, 0)))
-        for l, (s, u, d) in enumerate(layers):
-            lut[start:stop, l] = np.asarray(tabulate(block, s, u, d))[: stop - start]
+        for layer, (s, u, d) in enumerate(layers):
+            lut[start:stop, layer] = np.asarray(tabulate(block, s, u, d))[: stop - start]
     return lut
 
 
@@ -104,7 +103,9 @@ def to_lut_model(model):
             new.append((path, var.replace(jnp.zeros((cfg_l.n_layers, 0) if cfg_l.scan_layers else (0,), jnp.float32))))
             continue
         if path not in src:
-            raise KeyError(f"to_lut_model: parameter {'/'.join(map(str, path))} of the LUT model is missing in the source model")
+            raise KeyError(
+                f"to_lut_model: parameter {'/'.join(map(str, path))} of the LUT model is missing in the source model"
+            )
         new.append((path, var.replace(src[path][...])))
     nnx.update(lut_model, nnx.from_flat_state(new))
     return lut_model
@@ -297,8 +298,10 @@ class LUTStore:
         ids = np.asarray(ids)
         # one reduction checks both bounds: negative ids wrap to huge unsigned values
         if ids.size and int(ids.astype(np.uint64, copy=False).max()) >= self.meta.vocab_size:
-            raise ValueError(f"LUT fetch: token ids must lie in [0, {self.meta.vocab_size}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise ValueError(
+                f"LUT fetch: token ids must lie in [0, {self.meta.vocab_size}), got range "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
         return tuple(np.asarray(a[ids]) for a in self._arrays())
 
     def decode(self, payload) -> jax.Array:
@@ -334,8 +337,17 @@ class HostLUT(LUTStore):
 
     location = "host RAM"
 
-    def __init__(self, lut_VLND=None, *, quant: str = "none", block: int = 0, fingerprint: str = "",
-                 codes=None, scales=None, row_shape=None):
+    def __init__(
+        self,
+        lut_VLND=None,
+        *,
+        quant: str = "none",
+        block: int = 0,
+        fingerprint: str = "",
+        codes=None,
+        scales=None,
+        row_shape=None,
+    ):
         if quant == "none":
             lut_VLND = np.ascontiguousarray(lut_VLND)
             V, L, N, D = lut_VLND.shape
@@ -366,12 +378,20 @@ def save_lut(path: str, store: HostLUT) -> str:
     for a in arrays:
         sha.update(memoryview(np.ascontiguousarray(a)).cast("B"))
     header = {
-        "format": "pallasite-mole-lut", "format_version": FORMAT_VERSION, "layout": "[vocab, layer, expert, d]",
-        "vocab_size": meta.vocab_size, "n_layers": meta.n_layers, "n_experts": meta.n_experts,
-        "d_model": meta.d_model, "dtype": meta.dtype, "quant": meta.quant, "block": meta.block,
+        "format": "pallasite-mole-lut",
+        "format_version": FORMAT_VERSION,
+        "layout": "[vocab, layer, expert, d]",
+        "vocab_size": meta.vocab_size,
+        "n_layers": meta.n_layers,
+        "n_experts": meta.n_experts,
+        "d_model": meta.d_model,
+        "dtype": meta.dtype,
+        "quant": meta.quant,
+        "block": meta.block,
         "fingerprint": meta.fingerprint,
         "arrays": [{"shape": list(a.shape), "dtype": str(jnp.dtype(a.dtype)), "nbytes": int(a.nbytes)} for a in arrays],
-        "data_nbytes": int(sum(a.nbytes for a in arrays)), "sha256": sha.hexdigest(),
+        "data_nbytes": int(sum(a.nbytes for a in arrays)),
+        "sha256": sha.hexdigest(),
     }
     blob = json.dumps(header, sort_keys=True).encode()
     data_offset = -(-(len(MAGIC) + 8 + len(blob)) // _ALIGN) * _ALIGN
@@ -392,13 +412,22 @@ class DiskLUT(LUTStore):
 
     def __init__(self, path: str, header: dict, data_offset: int):
         self.path = path
-        self.meta = _Meta(header["vocab_size"], header["n_layers"], header["n_experts"], header["d_model"],
-                          header["dtype"], header["quant"], header["block"], header["fingerprint"])
+        self.meta = _Meta(
+            header["vocab_size"],
+            header["n_layers"],
+            header["n_experts"],
+            header["d_model"],
+            header["dtype"],
+            header["quant"],
+            header["block"],
+            header["fingerprint"],
+        )
         self.location = f"disk file {path}"
         arrays, off = [], data_offset
         for a in header["arrays"]:
-            arrays.append(np.memmap(path, dtype=np.dtype(jnp.dtype(a["dtype"])), mode="r", offset=off,
-                                    shape=tuple(a["shape"])))
+            arrays.append(
+                np.memmap(path, dtype=np.dtype(jnp.dtype(a["dtype"])), mode="r", offset=off, shape=tuple(a["shape"]))
+            )
             off += a["nbytes"]
         self.data = tuple(arrays)
 
@@ -408,13 +437,17 @@ class DiskLUT(LUTStore):
 
 def read_lut_header(path: str) -> tuple[dict, int]:
     if not os.path.exists(path):
-        raise LUTFileError(f"MoLE LUT file {path!r} does not exist (build it with save_lut(path, HostLUT.from_model(model)))")
+        raise LUTFileError(
+            f"MoLE LUT file {path!r} does not exist (build it with save_lut(path, HostLUT.from_model(model)))"
+        )
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(len(MAGIC) + 8)
         if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
-            raise LUTFileError(f"MoLE LUT file {path!r}: not a pallasite LUT (bad magic {head[:8]!r}, expected {MAGIC!r})")
-        (n,) = struct.unpack("<Q", head[len(MAGIC):])
+            raise LUTFileError(
+                f"MoLE LUT file {path!r}: not a pallasite LUT (bad magic {head[:8]!r}, expected {MAGIC!r})"
+            )
+        (n,) = struct.unpack("<Q", head[len(MAGIC) :])
         if n > size:
             raise LUTFileError(f"MoLE LUT file {path!r}: header length {n} exceeds the file size {size} (truncated?)")
         try:
@@ -422,13 +455,17 @@ def read_lut_header(path: str) -> tuple[dict, int]:
         except ValueError as e:
             raise LUTFileError(f"MoLE LUT file {path!r}: unreadable JSON header ({e})") from None
     if header.get("format_version") != FORMAT_VERSION:
-        raise LUTFileError(f"MoLE LUT file {path!r}: format_version {header.get('format_version')!r}, "
-                           f"this code reads version {FORMAT_VERSION}")
+        raise LUTFileError(
+            f"MoLE LUT file {path!r}: format_version {header.get('format_version')!r}, "
+            f"this code reads version {FORMAT_VERSION}"
+        )
     data_offset = -(-(len(MAGIC) + 8 + n) // _ALIGN) * _ALIGN
     want = data_offset + int(header["data_nbytes"])
     if size != want:
-        raise LUTFileError(f"MoLE LUT file {path!r} is {size} bytes, the header says {want} "
-                           f"({'truncated' if size < want else 'trailing data'}); rebuild it")
+        raise LUTFileError(
+            f"MoLE LUT file {path!r} is {size} bytes, the header says {want} "
+            f"({'truncated' if size < want else 'trailing data'}); rebuild it"
+        )
     return header, data_offset
 
 
@@ -444,8 +481,10 @@ def open_lut(path: str, model=None, *, verify: bool = True) -> DiskLUT:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 sha.update(chunk)
         if sha.hexdigest() != header["sha256"]:
-            raise LUTFileError(f"MoLE LUT file {path!r}: data checksum mismatch (sha256 {sha.hexdigest()[:16]}…, "
-                               f"header {header['sha256'][:16]}…): the file is corrupted")
+            raise LUTFileError(
+                f"MoLE LUT file {path!r}: data checksum mismatch (sha256 {sha.hexdigest()[:16]}…, "
+                f"header {header['sha256'][:16]}…): the file is corrupted"
+            )
     store = DiskLUT(path, header, data_offset)
     if model is not None:
         store.check_model(model)
@@ -461,5 +500,7 @@ def _check_meta(meta: _Meta, model, *, where: str) -> None:
         raise LUTFileError(f"MoLE LUT in {where} was built for another model shape: " + "; ".join(bad))
     fp = lut_fingerprint(model)
     if meta.fingerprint and meta.fingerprint != fp:
-        raise LUTFileError(f"MoLE LUT in {where} was built from other weights (fingerprint {meta.fingerprint[:12]}…, "
-                           f"this model's embedding+routers give {fp[:12]}…)")
+        raise LUTFileError(
+            f"MoLE LUT in {where} was built from other weights (fingerprint {meta.fingerprint[:12]}…, "
+            f"this model's embedding+routers give {fp[:12]}…)"
+        )

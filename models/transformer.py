@@ -69,6 +69,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
         if cfg.scan_layers:
+
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
             def make_stacked(r):
@@ -78,7 +79,11 @@ class Transformer(nnx.Module):
         else:
             self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg, axis_name="embed")
-        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, cfg=cfg, axes=("embed", "vocab"), rngs=rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else Linear(cfg.d_model, cfg.vocab_size, cfg=cfg, axes=("embed", "vocab"), rngs=rngs)
+        )
 
     def context(self, tokens_BT, positions_BT=None, *, segment_ids_BT=None, taps: Taps = NO_TAPS) -> ForwardContext:
         """The per-call context of a forward over ``tokens_BT`` (embedding included)."""
@@ -90,9 +95,15 @@ class Transformer(nnx.Module):
         rope_local = None  # Gemma 3: local layers rotate with their own base, unscaled
         if cfg.rope_local_theta is not None and "sliding" in (cfg.layer_types or ()):
             rope_local = rope_cos_sin(positions_BT, inv_frequencies(cfg.dh, cfg.rope_local_theta))
-        return ForwardContext(positions_BT=positions_BT, rope=rope, token_ids_BT=tokens_BT,
-                              embed_BTD=self.embed(tokens_BT), segment_ids_BT=segment_ids_BT,
-                              taps=taps, rope_local=rope_local)
+        return ForwardContext(
+            positions_BT=positions_BT,
+            rope=rope,
+            token_ids_BT=tokens_BT,
+            embed_BTD=self.embed(tokens_BT),
+            segment_ids_BT=segment_ids_BT,
+            taps=taps,
+            rope_local=rope_local,
+        )
 
     def run(self, tokens_BT, positions_BT=None, *, cache: Any = None, segment_ids_BT=None, taps: Taps = NO_TAPS):
         """(final-normed hidden [B, T, D], cache, aux losses, intermediates {tap: [L, ...]})."""
@@ -144,8 +155,15 @@ class Transformer(nnx.Module):
             inter = {k: jnp.stack([c[k] for c in captured_L]) for k in (captured_L[0] if captured_L else {})}
         return self.final_norm(x), cache, aux, inter
 
-    def __call__(self, tokens_BT: jax.Array, positions_BT: Optional[jax.Array] = None, *, cache: Any = None,
-                 segment_ids_BT: Optional[jax.Array] = None, return_hidden: bool = False):
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: Optional[jax.Array] = None,
+        *,
+        cache: Any = None,
+        segment_ids_BT: Optional[jax.Array] = None,
+        return_hidden: bool = False,
+    ):
         """(logits float32 [B, T, V] — or the final-normed hidden states —, cache, aux losses)."""
         h, cache, aux, _ = self.run(tokens_BT, positions_BT, cache=cache, segment_ids_BT=segment_ids_BT)
         return (h if return_hidden else self.head(h)), cache, aux

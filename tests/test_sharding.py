@@ -1,7 +1,6 @@
 """Sharding rules: logical → mesh specs, divisibility fallback, sharded forward == unsharded."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

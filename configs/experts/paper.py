@@ -31,10 +31,9 @@ iterations, Adam(0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 (160M) / 3e-4 (
 
 from __future__ import annotations
 
-from pallasite.configs import models
 from pallasite.models.config import model_config_from
-from pallasite.training.config import parse_arg, train_defaults
 from pallasite.models.mole import expert_variant_fields as ffn_fields  # noqa: F401  (re-exported)
+from pallasite.training.config import parse_arg, train_defaults
 
 SIZES = {
     "160m": dict(n_layers=12, d_model=768, n_heads=12, d_ff=3072, lr=6e-4),

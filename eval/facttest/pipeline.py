@@ -15,8 +15,8 @@ import numpy as np
 
 from pallasite.eval.facttest import scores as S
 from pallasite.eval.facttest.calibration import calibrate, evaluate
-from pallasite.eval.facttest.outputs import Collected
 from pallasite.eval.facttest.judges import NormalizedJudge
+from pallasite.eval.facttest.outputs import Collected
 from pallasite.eval.facttest.shift import calibrate_under_shift, fit_density_ratio
 
 SCORE_NAMES = ("ve", "se", "kle", "wb")

@@ -44,21 +44,46 @@ class DenseKVCache(HeadMajorCache):
     def create(cls, model_cfg, batch_size: int, max_len: int, *, config=None, model=None) -> "DenseKVCache":
         return init_dense_cache(model_cfg, batch_size, max_len)
 
-    def update_and_attend(self, q_BTHD, k_BTKD, v_BTKD, positions_BT, *, sliding_window: Optional[int] = None,
-                          impl: str = "ref", interpret: Optional[bool] = None):
+    def update_and_attend(
+        self,
+        q_BTHD,
+        k_BTKD,
+        v_BTKD,
+        positions_BT,
+        *,
+        sliding_window: Optional[int] = None,
+        impl: str = "ref",
+        interpret: Optional[bool] = None,
+    ):
         """Write this step's keys/values at their positions, then attend. Returns (out, cache)."""
         if self.k.ndim != 4 or k_BTKD.shape[2] != self.k.shape[1] or k_BTKD.shape[3] != self.k.shape[3]:
-            raise ValueError(f"DenseKVCache.update_and_attend: one layer's cache [B, K, S, D] = {self.k.shape} does not "
-                             f"match the new keys [B, T, K, D] = {k_BTKD.shape}")
+            raise ValueError(
+                f"DenseKVCache.update_and_attend: one layer's cache [B, K, S, D] = {self.k.shape} does not "
+                f"match the new keys [B, T, K, D] = {k_BTKD.shape}"
+            )
         k = write_head_major(self.k, k_BTKD, positions_BT)
         v = write_head_major(self.v, v_BTKD, positions_BT)
         if impl == "pallas" and q_BTHD.shape[1] == 1:
-            out = decode_attention_dense(q_BTHD, k, v, q_positions_BT=positions_BT, sliding_window=sliding_window,
-                                         interpret=interpret, kv_layout="BKSD")
+            out = decode_attention_dense(
+                q_BTHD,
+                k,
+                v,
+                q_positions_BT=positions_BT,
+                sliding_window=sliding_window,
+                interpret=interpret,
+                kv_layout="BKSD",
+            )
             return out, DenseKVCache(k=k, v=v)
         out = attention(
-            q_BTHD, k.astype(q_BTHD.dtype), v.astype(q_BTHD.dtype), q_positions_BT=positions_BT,
-            causal=True, sliding_window=sliding_window, impl=impl, interpret=interpret, kv_layout="BKSD",
+            q_BTHD,
+            k.astype(q_BTHD.dtype),
+            v.astype(q_BTHD.dtype),
+            q_positions_BT=positions_BT,
+            causal=True,
+            sliding_window=sliding_window,
+            impl=impl,
+            interpret=interpret,
+            kv_layout="BKSD",
         )
         return out, DenseKVCache(k=k, v=v)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallasite.eval.facttest import scores as S
-from pallasite.eval.facttest.outputs import Collected
 from pallasite.eval.facttest.judges import NormalizedJudge
+from pallasite.eval.facttest.outputs import Collected
 from pallasite.eval.facttest.pipeline import certainty_scores, run_facttest
 from pallasite.eval.facttest.qa_data import QAItem, is_correct, make_splits, normalize
 

@@ -42,8 +42,7 @@ def test_top_p_mask_smallest_set_reaching_p():
 
 def test_filters_match_transformers_warpers():
     torch = pytest.importorskip("torch")
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                       TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 50)).astype(np.float32) * 3

@@ -65,15 +65,26 @@ def write_tiny_gguf(torch_model, path, *, arch="llama", q8_tensors=(), drop=(), 
     w.add_pad_token_id(VOCAB - 3)
     w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     params = dict(torch_model.named_parameters())
     for hf_name, p in params.items():
         if hf_name.startswith("model.layers."):
-            i, rest = hf_name[len("model.layers."):].split(".", 1)
+            i, rest = hf_name[len("model.layers.") :].split(".", 1)
             mod, kind = rest.rsplit(".", 1)
             name = f"blk.{i}.{per_layer[mod]}.{kind}"
         else:
@@ -173,11 +184,12 @@ def test_tiny_gguf_tokenizer(tiny_llama):
 def test_gguf_errors(tiny_llama, tmp_path):
     model, _ = tiny_llama["llama"]
     p = write_tiny_gguf(model, tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ValueError,
-                       match=r"architecture 'gpt2' is not supported; supported: \['llama', 'gemma3'\]"):
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \['llama', 'gemma3'\]"):
         G.import_gguf(p)
     p = write_tiny_gguf(model, tmp_path / "missing.gguf", drop=("blk.1.ffn_up.weight",))
-    with pytest.raises(CheckpointMismatchError, match=r"missing tensor 'blk.1.ffn_up.weight' \(expected shape \(128, 64\)\)"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"missing tensor 'blk.1.ffn_up.weight' \(expected shape \(128, 64\)\)"
+    ):
         G.import_gguf(p)
 
 
@@ -224,15 +236,15 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2, hf_gguf_model):
     # One fixed-length buffer, so the 30-layer forward compiles once: causal attention makes the
     # logits at position t independent of the (zero) padding after it.
     buf = np.zeros((1, len(prompt) + n_new), np.int32)
-    buf[0, :len(prompt)] = prompt
-    ours = _logits(cfg, state, buf)[:, :len(prompt)]
+    buf[0, : len(prompt)] = prompt
+    ours = _logits(cfg, state, buf)[:, : len(prompt)]
     err = np.abs(ours - pt_logits(pt_model, np.array([prompt]))).max()
     print(f"SmolLM2-135M GGUF: max |logits - transformers| = {err:.2e}")
     assert err <= 2e-4
     # Greedy, full recompute (no cache needed for 8 tokens).
     for t in range(len(prompt), len(prompt) + n_new):
         buf[0, t] = int(np.argmax(_logits(cfg, state, buf)[0, t - 1]))
-    completion = tok.decode(buf[0, len(prompt):])
+    completion = tok.decode(buf[0, len(prompt) :])
     print(f"greedy: {PROMPT!r} -> {completion!r}")
     assert "Paris" in completion
 
@@ -245,16 +257,22 @@ def test_smollm2_tokenizer_matches_transformers(smollm2, hf_gguf_model):
     _, theirs = hf_gguf_model
     with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py")) as f:
         code = f.read()[:20000]
-    texts = [PROMPT, "In 2024, 1234567 people paid $3.50 each; x=42.0e-3.",
-             "<|im_start|>user\nHi there<|im_end|>\n", "  leading spaces\t\ttabs\n\n\nünïcödé 日本語 🙂",
-             "it's we'll they've I'm", code]
+    texts = [
+        PROMPT,
+        "In 2024, 1234567 people paid $3.50 each; x=42.0e-3.",
+        "<|im_start|>user\nHi there<|im_end|>\n",
+        "  leading spaces\t\ttabs\n\n\nünïcödé 日本語 🙂",
+        "it's we'll they've I'm",
+        code,
+    ]
     for text in texts:
         assert ours(text)["input_ids"] == theirs(text)["input_ids"], text[:40]
         assert ours.decode(ours(text)["input_ids"]) == text
     assert (ours.bos_token, ours.eos_token, ours.pad_token) == (theirs.bos_token, theirs.eos_token, theirs.pad_token)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
     # The documented deviation: llama.cpp's smollm pre-tokenizer isolates non-ASCII numerics,
     # transformers' GGUF converter (plain GPT-2 split) merges the space into them.
     assert ours.convert_ids_to_tokens(ours(" ½")["input_ids"]) == ["Ġ", "Â½"]

@@ -46,7 +46,9 @@ def _read_all(path):
     from safetensors.numpy import load_file
 
     index = os.path.join(path, hf.SAFETENSORS_INDEX)
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else [hf.SAFETENSORS_SINGLE]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else [hf.SAFETENSORS_SINGLE]
+    )
     out = {}
     for fn in files:
         out.update(load_file(os.path.join(path, fn)))
@@ -54,6 +56,7 @@ def _read_all(path):
 
 
 # ------------------------------------------------------------------------ parity with PyTorch
+
 
 @pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,15 +85,16 @@ def test_negative_controls_features_matter(tiny):
 
     _, path, ref = tiny["qwen2"]
     cfg, state = hf.import_hf(path)
-    zeroed = jax.tree.map_with_path(
-        lambda p, x: x * 0 if "bias" in jax.tree_util.keystr(p) else x, state)
+    zeroed = jax.tree.map_with_path(lambda p, x: x * 0 if "bias" in jax.tree_util.keystr(p) else x, state)
     assert np.abs(_logits(cfg, zeroed) - ref).max() > 1e-2
 
 
 def test_import_never_imports_torch(tiny):
     _, path, _ = tiny["qwen3"]
-    code = ("import sys, pallasite.models.hf as h; cfg, st = h.import_hf(sys.argv[1], scan_layers=True); "
-            "assert 'torch' not in sys.modules, 'torch was imported'; print(cfg.family)")
+    code = (
+        "import sys, pallasite.models.hf as h; cfg, st = h.import_hf(sys.argv[1], scan_layers=True); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print(cfg.family)"
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     res = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -98,6 +102,7 @@ def test_import_never_imports_torch(tiny):
 
 
 # ------------------------------------------------------------------------ round trips
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_bit_exact(tiny, family, tmp_path):
@@ -117,10 +122,26 @@ def test_round_trip_bit_exact(tiny, family, tmp_path):
     assert hf_config.config_from_hf(json.load(open(out / "config.json"))) == cfg.replace(scan_layers=False)
     a = transformers.AutoConfig.from_pretrained(path).to_dict()
     b = transformers.AutoConfig.from_pretrained(out).to_dict()
-    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_parameters",
-                "tie_word_embeddings", "sliding_window", "attention_bias", "mlp_bias", "bos_token_id",
-                "eos_token_id", "max_position_embeddings", "hidden_act"):
+    for key in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "sliding_window",
+        "attention_bias",
+        "mlp_bias",
+        "bos_token_id",
+        "eos_token_id",
+        "max_position_embeddings",
+        "hidden_act",
+    ):
         if key in a:  # (Qwen2 has no head_dim field; ours is the default hidden/heads)
             assert a[key] == b.get(key), key
 
@@ -177,9 +198,22 @@ def test_export_from_pallasite_init_loads_in_transformers(tmp_path):
 
     from pallasite.testing import pt_logits
 
-    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=96,
-                      qk_norm=True, family="qwen3", scan_layers=True, sliding_window=6, rope_theta=1e6,
-                      norm_eps=1e-6, eos_token_id=2)
+    cfg = ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        d_ff=96,
+        qk_norm=True,
+        family="qwen3",
+        scan_layers=True,
+        sliding_window=6,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        eos_token_id=2,
+    )
     model = init_model(cfg, seed=3)
     # Scale up the init so attention is far from uniform (a layout bug must show).
     state = jax.tree.map(lambda x: x * 5.0, nnx.split(model)[1])
@@ -190,6 +224,7 @@ def test_export_from_pallasite_init_loads_in_transformers(tmp_path):
 
 
 # ------------------------------------------------------------------------ errors
+
 
 def _rewrite(src_path, dst, edit):
     """Copy an HF folder, applying ``edit(tensors)`` to its safetensors dict."""
@@ -217,13 +252,17 @@ def test_misshaped_missing_extra_tensor_errors(tiny, tmp_path):
         hf.import_hf(_rewrite(path, tmp_path / "a", misshape))
     assert name in str(e.value) and "(16, 64)" in str(e.value) and "(32, 64)" in str(e.value)
 
-    with pytest.raises(hf.CheckpointMismatchError, match=r"missing tensor 'model.layers.0.mlp.up_proj.weight'.*\(128, 64\)"):
+    with pytest.raises(
+        hf.CheckpointMismatchError, match=r"missing tensor 'model.layers.0.mlp.up_proj.weight'.*\(128, 64\)"
+    ):
         hf.import_hf(_rewrite(path, tmp_path / "b", lambda t: t.pop("model.layers.0.mlp.up_proj.weight")))
 
     def extra(t):
         t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
 
-    with pytest.raises(hf.CheckpointMismatchError, match=r"unexpected tensor.*model.layers.0.self_attn.q_proj.bias \(64,\)"):
+    with pytest.raises(
+        hf.CheckpointMismatchError, match=r"unexpected tensor.*model.layers.0.self_attn.q_proj.bias \(64,\)"
+    ):
         hf.import_hf(_rewrite(path, tmp_path / "c", extra))
 
     # Old exporters' rotary buffers are not weights and are ignored.
@@ -249,19 +288,40 @@ def test_tied_head_in_file(tiny, tmp_path):
 
 
 def test_config_errors_and_old_style_rope():
-    with pytest.raises(ValueError,
-                       match=r"model_type='gpt2' is not a registered.*known: gemma3_text, llama, mistral, mixtral"):
+    with pytest.raises(
+        ValueError, match=r"model_type='gpt2' is not a registered.*known: gemma3_text, llama, mistral, mixtral"
+    ):
         hf_config.config_from_hf({"model_type": "gpt2"})
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        hf_config.config_from_hf({**base, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+        hf_config.config_from_hf(
+            {**base, "model_type": "llama", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
+        )
     with pytest.raises(ValueError, match="required key 'hidden_size'"):
         hf_config.config_from_hf({k: v for k, v in {**base, "model_type": "llama"}.items() if k != "hidden_size"})
     # Pre-v5 layout: top-level rope_theta, rope_scaling with "type".
-    old = hf_config.config_from_hf({**base, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
-        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}, "eos_token_id": [128001, 128009]})
+    old = hf_config.config_from_hf(
+        {
+            **base,
+            "model_type": "llama",
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "eos_token_id": [128001, 128009],
+        }
+    )
     assert old.rope_theta == 500000.0 and old.rope_scaling_dict["rope_type"] == "llama3"
     assert old.eos_token_id == (128001, 128009) and old.head_dim == 16
     # Qwen2 sliding window: all layers slide -> window; mixed layers -> clear refusal.
@@ -276,6 +336,7 @@ def test_config_errors_and_old_style_rope():
 
 
 # ------------------------------------------------------------------------ pallasite.testing helpers
+
 
 def test_testing_helpers_greedy(tiny):
     """pt_greedy is transformers' greedy generate with EOS off; an argmax loop over pallasite's
@@ -305,17 +366,28 @@ def test_registry_hooks_contract(tiny, tmp_path):
 
     def to_hf(cfg, ffn, prefix, layer):
         fused = np.concatenate([ffn[("gate_proj", "kernel")], ffn[("up_proj", "kernel")]], axis=1)
-        return {prefix + "mlp.gate_up_proj.weight": hf.linear_to_hf(fused),
-                prefix + "mlp.down_proj.weight": hf.linear_to_hf(ffn[("down_proj", "kernel")])}
+        return {
+            prefix + "mlp.gate_up_proj.weight": hf.linear_to_hf(fused),
+            prefix + "mlp.down_proj.weight": hf.linear_to_hf(ffn[("down_proj", "kernel")]),
+        }
 
     def from_hf(cfg, read, prefix, layer, expected):
         d, f = expected[("gate_proj", "kernel")]
         fused = hf.linear_from_hf(read, prefix + "mlp.gate_up_proj.weight", (d, 2 * f))
-        return {("gate_proj", "kernel"): fused[:, :f], ("up_proj", "kernel"): fused[:, f:],
-                ("down_proj", "kernel"): hf.linear_from_hf(read, prefix + "mlp.down_proj.weight", expected[("down_proj", "kernel")])}
+        return {
+            ("gate_proj", "kernel"): fused[:, :f],
+            ("up_proj", "kernel"): fused[:, f:],
+            ("down_proj", "kernel"): hf.linear_from_hf(
+                read, prefix + "mlp.down_proj.weight", expected[("down_proj", "kernel")]
+            ),
+        }
 
-    hf_config.register_model_type("fusedllama", from_hf=lambda c: hf_config.config_from_hf({**c, "model_type": "llama"}).replace(family="fusedllama"),
-                           to_hf=lambda cfg: HF_MODEL_TYPE.get("llama").to_hf(cfg), architecture="LlamaForCausalLM")
+    hf_config.register_model_type(
+        "fusedllama",
+        from_hf=lambda c: hf_config.config_from_hf({**c, "model_type": "llama"}).replace(family="fusedllama"),
+        to_hf=lambda cfg: HF_MODEL_TYPE.get("llama").to_hf(cfg),
+        architecture="LlamaForCausalLM",
+    )
     try:
         cfg, state = hf.import_hf(path)
         HF_FFN.register("dense", (to_hf, from_hf), replace=True)
@@ -328,7 +400,9 @@ def test_registry_hooks_contract(tiny, tmp_path):
         assert cfg2.family == "fusedllama"
         np.testing.assert_allclose(_logits(cfg2, state2), ref, atol=1e-4, rtol=0)
         # Reads made by a registered mapping get the same named errors.
-        with pytest.raises(hf.CheckpointMismatchError, match=r"'model.layers.0.mlp.gate_up_proj.weight'.*expected shape \(256, 64\)"):
+        with pytest.raises(
+            hf.CheckpointMismatchError, match=r"'model.layers.0.mlp.gate_up_proj.weight'.*expected shape \(256, 64\)"
+        ):
             hf.import_hf(path, cfg=cfg)  # the plain file has no fused tensor
     finally:
         HF_FFN.register("dense", old_dense, replace=True)

@@ -78,8 +78,17 @@ def test_export_reloads_in_transformers(tiny, family, tmp_path):
 
 
 def test_moe_config_errors():
-    base = dict(model_type="qwen2_moe", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    base = dict(
+        model_type="qwen2_moe",
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+    )
     with pytest.raises(ValueError, match="decoder_sparse_step=2"):
         hf_config.config_from_hf({**base, "decoder_sparse_step": 2})
     with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
@@ -87,7 +96,11 @@ def test_moe_config_errors():
     with pytest.raises(ValueError, match="clip_qkv=8"):
         hf_config.config_from_hf({**base, "model_type": "olmoe", "clip_qkv": 8})
     cfg = hf_config.config_from_hf({**base, "shared_expert_intermediate_size": 8})
-    assert cfg.ffn_config.num_experts == 4 and cfg.ffn_config.shared_expert_d_ff == 8 and cfg.ffn_config.norm_topk_prob is False
+    assert (
+        cfg.ffn_config.num_experts == 4
+        and cfg.ffn_config.shared_expert_d_ff == 8
+        and cfg.ffn_config.norm_topk_prob is False
+    )
     assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == cfg
 
 

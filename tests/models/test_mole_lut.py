@@ -2,10 +2,8 @@
 truncated / corrupted / other-model files fail at load), NF4 / NF3 token-wise quantization."""
 
 import json
-import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

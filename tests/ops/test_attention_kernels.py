@@ -12,7 +12,12 @@ import pytest
 
 from pallasite.ops.attention import attention, reference_attention
 from pallasite.ops.attention.decode import (
-    KVSource, decode_attention, decode_attention_reference, dense_decode, dense_source, quantize_int8,
+    KVSource,
+    decode_attention,
+    decode_attention_reference,
+    dense_decode,
+    dense_source,
+    quantize_int8,
     scaled_int8_source,
 )
 from pallasite.ops.attention.flash import flash_attention

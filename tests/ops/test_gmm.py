@@ -14,7 +14,7 @@ def _dense_reference(x, w, gs):
     out = np.zeros((x.shape[0], w.shape[2]))
     start = 0
     for g, n in enumerate(gs):
-        out[start:start + n] = x[start:start + n] @ w[g]
+        out[start : start + n] = x[start : start + n] @ w[g]
         start += n
     return out
 
@@ -32,7 +32,7 @@ def test_pallas_matches_reference(M, K, N, gs):
     np.testing.assert_allclose(pal, want, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(gmm_tiles(x, w, gs, block_m=16), want, atol=2e-5, rtol=1e-5)
     # rows past sum(group_sizes) are exactly zero
-    assert np.all(np.asarray(pal)[int(gs.sum()):] == 0)
+    assert np.all(np.asarray(pal)[int(gs.sum()) :] == 0)
 
 
 def test_tgmm_pallas_matches_reference():
@@ -40,8 +40,9 @@ def test_tgmm_pallas_matches_reference():
     x = jax.random.normal(kx, (29, 20))
     dy = jax.random.normal(ky, (29, 33))
     gs = jnp.asarray([5, 11, 0, 9], jnp.int32)  # 4 rows past the groups are ignored
-    np.testing.assert_allclose(tgmm_pallas(x, dy, gs, block_m=16, block_k=16, block_n=16),
-                               tgmm_reference(x, dy, gs), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        tgmm_pallas(x, dy, gs, block_m=16, block_k=16, block_n=16), tgmm_reference(x, dy, gs), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_custom_vjp_matches_ragged_dot_grad():
@@ -57,10 +58,11 @@ def test_custom_vjp_matches_ragged_dot_grad():
     for impl in ("pallas", "tiles"):
         for a, b in zip(g_ref, jax.grad(loss(impl), argnums=(0, 1))(x, w)):
             np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-5)
-    g_pal = None
+
     # negative control: a wrong group split gives different gradients
-    g_bad = jax.grad(lambda x, w: jnp.sum(jnp.sin(gmm(x, w, gs[::-1], impl="pallas", block_m=16, block_k=16,
-                                                       block_n=16))), argnums=1)(x, w)
+    g_bad = jax.grad(
+        lambda x, w: jnp.sum(jnp.sin(gmm(x, w, gs[::-1], impl="pallas", block_m=16, block_k=16, block_n=16))), argnums=1
+    )(x, w)
     assert float(jnp.abs(g_bad - g_ref[1]).max()) > 1e-2
 
 

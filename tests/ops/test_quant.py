@@ -10,8 +10,15 @@ from pallasite.ops.quant import gptq, hadamard
 from pallasite.ops.quant.int_gemm import int_gemm, pack_weight_int4, unpack_weight_int4
 from pallasite.ops.quant.kron_quant import kron_quantize, kron_transform_ref, round_half_even
 from pallasite.ops.quant.kv4_attention import kv4_decode_attention
-from pallasite.ops.quant.quantizers import (dequantize_kv_asym, fake_quant_act_sym, pack_int4, quantize_act_sym,
-                                            quantize_kv_asym, quantize_weight_sym, unpack_int4)
+from pallasite.ops.quant.quantizers import (
+    dequantize_kv_asym,
+    fake_quant_act_sym,
+    pack_int4,
+    quantize_act_sym,
+    quantize_kv_asym,
+    quantize_weight_sym,
+    unpack_int4,
+)
 
 
 def test_pack_unpack_roundtrip_signed_and_unsigned():
