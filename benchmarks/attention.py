@@ -122,7 +122,7 @@ def decode_bench(context: int, r: float, *, K=10, G=2, D=128, new=128, dtype=jnp
     cate_ref = cate_fn("ref")
     t_full, t_cate = _interleaved([full_ref, cate_ref], [(q, dense_k, dense_v, pos), (cate_arg, q, pos)], rounds=rounds,
                                   iters=2 if rounds < 5 else 4)
-    err = float(jnp.max(jnp.abs(cate_ref(cate_arg, q, pos).astype(jnp.float32) -
+    err = float(np.max(np.abs(cate_ref(cate_arg, q, pos).astype(jnp.float32) -
                                 full_ref(q, dense_k, dense_v, pos).astype(jnp.float32))))
     full_bytes = int(dense_k.size * dense_k.dtype.itemsize + dense_v.size * dense_v.dtype.itemsize)
     cate_bytes = int(sum(a.nbytes for a in jax.tree.leaves(cate_arg)))
