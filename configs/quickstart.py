@@ -38,6 +38,10 @@ def get_config(arg=None):
     c.train.checkpoint_every = 100
     c.train.sample_prompt = "def __init__(self"
     c.train.sample_tokens = 48
+    # greedy decoding of a 3.4M model loops on its likeliest tokens ("self.self.self"); a nucleus
+    # sample at temperature 0.7 reads like Python
+    c.train.sample_temperature = 0.7
+    c.train.sample_top_p = 0.9
     c.mesh.data = 1  # 2 cores: one device; the same config runs on a pod with data=-1
     if arg.cpu or arg.runlocal:
         c.tokenizer.vocab_size = 512
