@@ -1,4 +1,4 @@
-"""Quickstart: a ~3.4M-parameter Llama-style model trained from scratch on the Python stdlib.
+"""Quickstart: a 1.97M-parameter Llama-style model trained from scratch on the Python stdlib.
 
 A byte-level BPE (vocab 2048) is trained on the training split first, then the model trains
 for ``train.steps`` steps of 16 x 128 tokens, is evaluated on held-out stdlib files (loss,
@@ -38,7 +38,7 @@ def get_config(arg=None):
     c.train.checkpoint_every = 100
     c.train.sample_prompt = "def __init__(self"
     c.train.sample_tokens = 48
-    # greedy decoding of a 3.4M model loops on its likeliest tokens ("self.self.self"); a nucleus
+    # greedy decoding of a 2M model loops on its likeliest tokens ("self.self.self"); a nucleus
     # sample at temperature 0.7 reads like Python
     c.train.sample_temperature = 0.7
     c.train.sample_top_p = 0.9
