@@ -5,6 +5,8 @@ decode-strategy seam). Speculative / constrained / guided decoding plug in as st
 Names are exported lazily so that importing a submodule never drags in the others.
 """
 
+from pallasite.lazy import lazy_exports
+
 _EXPORTS = {
     "generate_ids": "pallasite.inference.engine",
     "run_decode": "pallasite.inference.engine",
@@ -19,12 +21,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'pallasite.inference' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

@@ -13,7 +13,8 @@ Modules: ``calibration`` (the rule), ``scores`` (ve / se / kle / white-box), ``j
 ``qa_data`` (the offline QA set), ``pipeline`` (end to end), ``simulation`` (the guarantee).
 """
 
-import importlib
+
+from pallasite.lazy import lazy_exports
 
 _EXPORTS = {
     "Threshold": "pallasite.eval.facttest.calibration",
@@ -46,11 +47,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    # Lazy: importing a submodule (e.g. the CLI hook) must not pull in jax.
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

@@ -14,7 +14,8 @@ expansion), ``selection`` (Sim, Stab, Score, rejection, baselines, prompt), ``ma
 templated pool), ``evaluate`` (end to end accuracy per selector).
 """
 
-import importlib
+
+from pallasite.lazy import lazy_exports
 
 _EXPORTS = {
     "complete": "pallasite.eval.lms3.evaluate",
@@ -41,11 +42,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    # Lazy: importing a submodule (e.g. the CLI hook) must not pull in jax.
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

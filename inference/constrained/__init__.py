@@ -9,6 +9,8 @@ Masks come from llguidance (``grammars``, ``vocab``), are computed on the host p
 four modes side by side. Names are exported lazily (importing this package imports no engine).
 """
 
+from pallasite.lazy import lazy_exports
+
 _EXPORTS = {
     "Constraint": "pallasite.inference.constrained.constraint",
     "ConstraintError": "pallasite.inference.constrained.grammars",
@@ -24,12 +26,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'pallasite.inference.constrained' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)
