@@ -392,7 +392,9 @@ def test_saved_quantized_model_is_a_pallasite_model(tiny, calibrated, tmp_path):
     again = pallasite.load(str(tmp_path / "fq"))
     B, T = tokens.shape
     want = forward(qm.graphdef, qm.state, jnp.asarray(tokens), cache=qm.init_cache(B, T))[0]
-    np.testing.assert_array_equal(np.asarray(again.logits(tokens)), np.asarray(want))
+    # Model.logits compiles its own graph: equal up to float reassociation (measured 1.8e-7), far
+    # below the KV4 cache's effect checked next (> 1e-4)
+    np.testing.assert_allclose(np.asarray(again.logits(tokens)), np.asarray(want), atol=1e-5, rtol=0)
     no_kv4 = forward(qm.graphdef, qm.state, jnp.asarray(tokens))[0]
     assert float(jnp.max(jnp.abs(no_kv4 - want))) > 1e-4  # the KV4 cache really is in the scoring path
     ids = [[1, 2, 3, 4, 5]]
