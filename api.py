@@ -101,10 +101,18 @@ class Model:
         return self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), *extra,
                                self._scoring_cache(*ids.shape))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        """Token ids of ``text``, led by BOS where the tokenizer's convention adds one (Gemma,
+        Llama; ``models.tokenizer.bos_prefix``) unless ``bos=False``; no other special tokens."""
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer: pass token ids instead of strings")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return (self.bos_prefix if bos else []) + list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def bos_prefix(self) -> list[int]:
+        from pallasite.models.tokenizer import bos_prefix
+
+        return [] if self.tokenizer is None else bos_prefix(self.tokenizer)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:

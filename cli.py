@@ -300,12 +300,14 @@ def _cmd_eval(args, overrides):
         eos = model.tokenizer.eos_token_id
         ids: list[int] = []
         for t in texts:
-            ids.extend(model.encode(t) + ([int(eos)] if eos is not None else []))
+            ids.extend(model.encode(t, bos=False) + ([int(eos)] if eos is not None else []))
             if len(ids) >= seq_len * max_windows:
                 break
-        result = perplexity(model.logits, np.asarray(ids), seq_len, max_windows=max_windows)
+        bos = model.bos_prefix[0] if model.bos_prefix else None  # Gemma: every window starts at BOS
+        result = perplexity(model.logits, np.asarray(ids), seq_len, max_windows=max_windows, bos_id=bos)
         protocol = (
             "non-overlapping windows over the documents joined with eos, every next token scored"
+            + ("; each window led by the tokenizer's bos" if bos is not None else "")
         )
         where += (
             f"; the first {result['windows']} windows of {seq_len} tokens (files in path order; "

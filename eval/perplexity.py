@@ -40,18 +40,25 @@ def window_nll(logits_fn: Callable[[jax.Array], jax.Array], windows_NT: np.ndarr
 
 
 def perplexity(logits_fn: Callable[[jax.Array], jax.Array], token_ids: np.ndarray, seq_len: int,
-               *, max_windows: Optional[int] = None, batch_size: int = 8, progress: bool = True) -> dict:
-    """``logits_fn(ids_BT) -> logits_BTV``; returns {'nll', 'ppl', 'tokens', 'windows'}."""
+               *, max_windows: Optional[int] = None, batch_size: int = 8, progress: bool = True,
+               bos_id: Optional[int] = None) -> dict:
+    """``logits_fn(ids_BT) -> logits_BTV``; returns {'nll', 'ppl', 'tokens', 'windows'}.
+
+    With ``bos_id`` (models trained with a leading BOS, e.g. Gemma) every window is BOS followed
+    by ``seq_len - 1`` stream tokens, all of which are scored (the first one given BOS alone)."""
     token_ids = np.asarray(token_ids)
     if token_ids.ndim != 1:
         raise InputError(f"perplexity expects a 1-D token stream, got shape {token_ids.shape}")
-    n = len(token_ids) // seq_len
+    span = seq_len - (bos_id is not None)  # stream tokens per window
+    n = len(token_ids) // span if span > 0 else 0
     if n == 0:
         raise InputError(f"perplexity: the data gives {len(token_ids)} tokens, fewer than one "
                          f"window of seq_len={seq_len}; give more text or a smaller --seq-len")
     if max_windows is not None:
         n = min(n, max_windows)
-    windows = token_ids[: n * seq_len].reshape(n, seq_len)
+    windows = token_ids[: n * span].reshape(n, span)
+    if bos_id is not None:
+        windows = np.concatenate([np.full((n, 1), bos_id, windows.dtype), windows], axis=1)
     total, count = window_nll(logits_fn, windows, batch_size=batch_size, progress=progress)
     mean = total / count
     return {"nll": mean, "ppl": float(np.exp(mean)), "tokens": count, "windows": n}

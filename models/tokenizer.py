@@ -90,6 +90,19 @@ def train_bpe(
     return fast
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """``[bos id]`` when the tokenizer's own post-processing starts every text with BOS (Gemma,
+    Llama: HF ``add_bos_token`` / GGUF ``tokenizer.ggml.add_bos_token``), else ``[]`` (GPT-2-style
+    tokenizers such as SmolLM2's, and ``train_bpe``'s). Prompts and perplexity windows follow the
+    convention the model was trained with: Gemma scored without its BOS is a different model."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a", add_special_tokens=True))
+    return [int(bos)] if len(full) > len(plain) and full[0] == bos else []
+
+
 def encode_batch(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids for many texts without special tokens (the fast Rust batch path when present)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)

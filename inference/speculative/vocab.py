@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pallasite.models.tokenizer import bos_prefix
+
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -106,10 +108,7 @@ class TokenText:
         self.bytes = out
         self.eos_ids = tuple(sorted({int(t) for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])}))
         self.bos_id = tok.bos_token_id
-        plain = self.backend.encode("a", add_special_tokens=False).ids
-        with_specials = self.backend.encode("a", add_special_tokens=True).ids
-        self.adds_bos = bool(self.bos_id is not None and len(with_specials) > len(plain)
-                             and with_specials[0] == self.bos_id)
+        self.adds_bos = bool(bos_prefix(tok))
         # byte tokens: the id that stands for each single byte (byte-level BPE symbols, <0xNN> pieces)
         self.byte_token = np.full(256, -1, np.int64)
         for i, b in enumerate(out):

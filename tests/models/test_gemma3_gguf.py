@@ -346,6 +346,39 @@ def test_tiny_sentencepiece_tokenizer(tiny_gemma):
             assert tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text), text
 
 
+def test_prompts_and_perplexity_windows_lead_with_bos(tiny_gemma):
+    """Gemma's tokenizer adds BOS: ``Model.encode`` (so ``pallasite.generate`` on a string) and
+    ``pallasite eval``'s windows start with it, as transformers' ``tokenizer(text)`` does; a
+    tokenizer without that convention (``train_bpe``, like SmolLM2's) gets none."""
+    import pallasite
+    from pallasite.eval.perplexity import perplexity
+    from pallasite.models.tokenizer import bos_prefix, train_bpe
+
+    _, path = tiny_gemma
+    cfg, state, tok = G.import_gguf(path)
+    model = pallasite.Model(cfg, state, tok)
+    assert bos_prefix(tok) == [tok.bos_token_id] == model.bos_prefix
+    for text in ("the cat", "x   y"):
+        assert model.encode(text) == tok(text)["input_ids"]
+        assert model.encode(text, bos=False) == tok(text)["input_ids"][1:]
+    by_text = pallasite.generate(model, "the cat", max_new_tokens=4, stop_tokens=())
+    by_ids = pallasite.generate(model, tok("the cat")["input_ids"], max_new_tokens=4, stop_tokens=())
+    assert by_text == [tok.decode(by_ids[0], skip_special_tokens=True)]
+    assert bos_prefix(train_bpe(["the cat sat on the mat"] * 4, 300)) == []
+
+    seen = []
+
+    def uniform(ids_BT):  # records the windows; log-uniform scores give ppl = vocab exactly
+        seen.append(np.asarray(ids_BT))
+        return jax.numpy.zeros(ids_BT.shape + (VOCAB,))
+
+    res = perplexity(uniform, np.arange(100) % 50 + 3, 8, bos_id=tok.bos_token_id, progress=False)
+    windows = np.concatenate(seen)
+    assert windows.shape == (14, 8) and (windows[:, 0] == tok.bos_token_id).all()
+    assert (windows[:, 1:].ravel() == (np.arange(98) % 50 + 3)).all()  # 7 stream tokens each
+    assert res["tokens"] == 14 * 7 and res["ppl"] == pytest.approx(VOCAB)
+
+
 def sentencepiece_model(vocab, scores) -> bytes:
     """A sentencepiece ModelProto of a GGUF vocabulary: BPE, byte fallback, identity normaliser, no
     dummy prefix, whitespace-only pieces spelled with "▁" (what Gemma's tokenizer.model holds)."""
