@@ -142,12 +142,16 @@ def cv_of_prompts(cfg, dense, q_last, n_prompt, ccfg) -> np.ndarray:
 def calibrate_model(model, *, r: float = 0.4, samples: int = 8, context: int = 2048, n_needles: int = 4,
                     ccfg: CateKVConfig = CateKVConfig(), chunk: int = 512, batch: int = 4, seed: int = 0):
     """(mask bool [L, K], per-prompt CVs [samples, L, K]) of a ``pallasite.Model`` on ``samples``
-    calibration prompts of ``context`` tokens."""
+    calibration prompts of ``context`` tokens. Sliding-window layers (Gemma 3's local layers) are
+    not ranked: their CVs are NaN, ``r`` is the fraction of the global layers' heads, and serving
+    makes every head of a windowed layer adaptive (``init_catekv_cache``)."""
     cfg = model.config
     if model.tokenizer is None:
         raise InputError("catekv calibration: the model has no tokenizer (the calibration prompts are text)")
-    if cfg.sliding_window is not None:
-        raise InputError("catekv calibration: CateKV does not support sliding-window models")
+    windowed = np.array([w is not None for w in cfg.layer_windows], bool)
+    if windowed.all():
+        raise InputError("catekv calibration: every layer of this model is a sliding-window layer; CateKV "
+                         "compresses global layers only (a windowed layer is served with all heads adaptive)")
     last_q = ccfg.last_q
     if context <= last_q + ccfg.init_tokens + ccfg.recent_tokens + ccfg.tail_tokens:
         raise InputError(f"catekv calibration: --context {context} leaves no middle chunks (init {ccfg.init_tokens} + "
@@ -164,6 +168,7 @@ def calibrate_model(model, *, r: float = 0.4, samples: int = 8, context: int = 2
         dense, q_last = prefill(model.graphdef, model.state, cfg, ids, capacity=capacity, chunk=chunk, last_q=last_q)
         cvs.append(cv_of_prompts(cfg, dense, q_last, context, ccfg))
     cvs = np.concatenate(cvs)
+    cvs[:, windowed] = np.nan  # not ranked: served with every head adaptive (init_catekv_cache)
     return calibrate_head_mask(cvs, r), cvs
 
 
@@ -207,7 +212,8 @@ def run(args, overrides=None) -> dict:
                           extra={"task": "lines", "samples": args.samples, "context": args.context, "r": args.r,
                                  "seed": args.seed})
     summary = {"mask": path, "r": args.r, "adaptive_heads": int(mask.sum()), "heads": int(mask.size),
-               "adaptive_per_layer": mask.sum(1).tolist(), "samples": args.samples, "context": args.context,
+               "adaptive_per_layer": mask.sum(1).tolist(),
+               "windowed_layers": [i for i, w in enumerate(model.config.layer_windows) if w is not None], "samples": args.samples, "context": args.context,
                "seconds": round(time.time() - t0, 1)}
     print(json.dumps(summary))
     return summary

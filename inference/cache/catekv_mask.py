@@ -30,21 +30,27 @@ def calibrate_head_mask(cv_SLK, r: float, *, per_layer: bool = False) -> np.ndar
     if not 0.0 < r <= 1.0:
         raise ValueError(f"calibrate_head_mask: r={r} must be a fraction of heads in (0, 1]")
     S, L, K = cv.shape
+    # a head with no finite CV in any sample was not measured (a sliding-window layer: served with
+    # every head adaptive, init_catekv_cache); r is the fraction of the measured heads
+    eligible = np.isfinite(cv).any(axis=0)
+    if not eligible.any():
+        raise ValueError("calibrate_head_mask: no head has a finite CV in any sample")
     votes = np.zeros((L, K))
     for m in cv:  # static.py: per sample, the r-quantile lowest-CV heads
         thr = np.nanquantile(m, r)
         votes += np.nan_to_num(m, nan=np.inf) <= thr
-    mean_cv = np.nanmean(np.where(np.isfinite(cv), cv, np.nan), axis=0)
-    mean_cv = np.nan_to_num(mean_cv, nan=np.inf)
+    finite = np.isfinite(cv)
+    mean_cv = np.where(eligible, np.where(finite, cv, 0.0).sum(0) / np.maximum(finite.sum(0), 1), np.inf)
     mask = np.zeros((L, K), bool)
     if per_layer:  # round(r·K) per layer (r·K is rarely whole: SmolLM2 has K = 3)
         n_keep = int(round(r * K))
-        for layer in range(L):
+        for layer in np.flatnonzero(eligible.any(axis=1)):
             order = np.lexsort((mean_cv[layer], -votes[layer]))
             mask[layer, order[:n_keep]] = True
     else:
-        n_keep = int(math.ceil(r * L * K))
+        n_keep = int(math.ceil(r * eligible.sum()))
         order = np.lexsort((mean_cv.ravel(), -votes.ravel()))  # most votes first, then lowest mean CV
+        order = order[eligible.ravel()[order]]
         mask.ravel()[order[:n_keep]] = True
     return mask
 

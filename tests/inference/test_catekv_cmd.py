@@ -60,6 +60,39 @@ def test_calibrate_command_writes_mask_and_generation_serves_it(tiny_dir, capsys
     assert capsys.readouterr().out.startswith("def f(")
 
 
+def test_calibrate_ranks_only_the_global_layers_of_a_windowed_model(tmp_path, capsys):
+    """Gemma-style interleave (layer 0 sliding, window 16; layer 1 global): the local layer is not
+    ranked (NaN CVs, no votes), r counts the global heads only, and the mask serves: with a budget
+    covering the prompt the CateKV cache decodes like the dense one."""
+    from flax import nnx
+
+    from pallasite.models.tokenizer import train_bpe
+
+    texts = [open(os.path.join(os.path.dirname(os.__file__), "abc.py")).read()]
+    tokenizer = train_bpe(texts + ["The grass is green. ### LINE red: 12345 ###"], vocab_size=320)
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=1024,
+                      layer_types=("sliding", "full"), sliding_window=16, rope_local_theta=1e4)
+    _, state = nnx.split(init_model(cfg, seed=1))
+    folder = str(tmp_path / "windowed")
+    pallasite.Model(cfg, state, tokenizer).save(folder, format="orbax")
+    cli.main(["catekv-calibrate", "--model", folder, "--samples", "2", "--context", "512", "--batch", "2",
+              "--r", "0.5"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["windowed_layers"] == [0] and summary["adaptive_heads"] == 1  # 0.5 of layer 1's 2
+    with open(os.path.join(folder, MASK_FILE)) as f:
+        cvs = np.asarray(json.load(f)["cv_samples"], np.float64)
+    assert np.isnan(cvs[:, 0]).all() and np.isfinite(cvs[:, 1]).all()
+    model = pallasite.load(folder)
+    mask = load_head_mask(folder, model.config)
+    assert not mask[0].any() and mask[1].sum() == 1
+    assert load_head_mask(folder, model.config, adaptive_ratio=1.0)[1].all()  # re-derived, layer 1 only
+    prompt = model.encode("def abstractmethod(funcobj):\n    return funcobj")
+    dense = pallasite.generate(model, [prompt], max_new_tokens=5, stop_tokens=())
+    got = pallasite.generate(model, [prompt], max_new_tokens=5, stop_tokens=(), kv_cache="catekv",
+                             kv_cache_config={"budget": 512})
+    assert got == dense
+
+
 def _user_error(capsys, argv) -> str:
     """The one stderr line ``pallasite`` prints for a user error (exit status 1, no traceback)."""
     with pytest.raises(SystemExit) as e:
