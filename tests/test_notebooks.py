@@ -16,7 +16,7 @@ SMALL = {
     "quickstart.ipynb": "CONFIG_ARG = 'cpu'\nSTEPS = 6\nWORKDIR = {tmp!r}",
     "mole.ipynb": "STEPS = 6\nWORKDIR = {tmp!r}",
     "smollm2_catekv_flatquant.ipynb": "EVAL_WINDOWS = 2\nEVAL_LEN = 64\nCALIB_SAMPLES = 2\nCALIB_LEN = 64\n"
-                                      "CALIB_EPOCHS = 1\nMAX_NEW = 8\nKV_LEN = 2048\nCATE_CALIB_LEN = 320\n"
+                                      "CALIB_EPOCHS = 1\nMAX_NEW = 8\nKV_LEN = 2048\nCATE_CALIB_LEN = 576\n"
                                       "CATE_BUDGET = 512\nCATE_PROMPT_LEN = 768",
 }
 
