@@ -213,7 +213,8 @@ def run(args, overrides=None) -> dict:
                                  "seed": args.seed})
     summary = {"mask": path, "r": args.r, "adaptive_heads": int(mask.sum()), "heads": int(mask.size),
                "adaptive_per_layer": mask.sum(1).tolist(),
-               "windowed_layers": [i for i, w in enumerate(model.config.layer_windows) if w is not None], "samples": args.samples, "context": args.context,
+               "windowed_layers": [i for i, w in enumerate(model.config.layer_windows) if w is not None],
+               "samples": args.samples, "context": args.context,
                "seconds": round(time.time() - t0, 1)}
     print(json.dumps(summary))
     return summary
