@@ -32,14 +32,14 @@ def calibrate_head_mask(cv_SLK, r: float, *, per_layer: bool = False) -> np.ndar
     S, L, K = cv.shape
     # a head with no finite CV in any sample was not measured (a sliding-window layer: served with
     # every head adaptive, init_catekv_cache); r is the fraction of the measured heads
-    eligible = np.isfinite(cv).any(axis=0)
+    finite = np.isfinite(cv)
+    eligible = finite.any(axis=0)
     if not eligible.any():
         raise ValueError("calibrate_head_mask: no head has a finite CV in any sample")
     votes = np.zeros((L, K))
     for m in cv:  # static.py: per sample, the r-quantile lowest-CV heads
         thr = np.nanquantile(m, r)
         votes += np.nan_to_num(m, nan=np.inf) <= thr
-    finite = np.isfinite(cv)
     mean_cv = np.where(eligible, np.where(finite, cv, 0.0).sum(0) / np.maximum(finite.sum(0), 1), np.inf)
     mask = np.zeros((L, K), bool)
     if per_layer:  # round(r·K) per layer (r·K is rarely whole: SmolLM2 has K = 3)
