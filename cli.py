@@ -526,6 +526,8 @@ def main(argv=None) -> None:
         "no",
     )
     argv = [a for a in argv if a != "--debug"]
+    if debug:  # child processes (pallasite compile's compiler process) inherit it
+        os.environ[DEBUG_ENV] = "1"
     command = next((a for a in argv if not a.startswith("-")), "")
     prefix = f"pallasite {command}".strip()
     try:

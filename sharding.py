@@ -8,11 +8,16 @@ not divisible by its mesh axes is replicated instead, so tiny
 test models run on any mesh.
 
 ``shard_map`` is reserved for code where communication is the algorithm (MoE dispatch);
-everything else is plain ``jax.jit`` with ``in_shardings``/``out_shardings`` from here.
+everything else is plain ``jax.jit`` with ``in_shardings``/``out_shardings`` from here, plus
+``constrain(x, logical_axes)`` on activations (as MaxText's logical constraints): without it,
+XLA may shard an FSDP matmul on its contracting dimension and all-reduce replicated
+activations instead of gathering the weights (a whole-batch [B, T, F] on every chip).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -39,6 +44,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("expert_mlp", "tensor"),
     ("layers", None),
     ("norm", None),
+    ("act_embed", None),  # the model dimension of activations (weights' "embed" is FSDP-sharded)
 )
 
 
@@ -114,6 +120,90 @@ def logical_to_spec(logical_axes: Sequence[Optional[str]], shape: Sequence[int],
         used.update(chosen)
         spec.append(None if not chosen else (chosen[0] if len(chosen) == 1 else tuple(chosen)))
     return P(*spec)
+
+
+_ACTIVATION_RULES: contextvars.ContextVar = contextvars.ContextVar("pallasite_activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(rules):
+    """Use ``rules`` for ``constrain`` while tracing inside this block (default: DEFAULT_RULES)."""
+    token = _ACTIVATION_RULES.set(tuple(rules))
+    try:
+        yield
+    finally:
+        _ACTIVATION_RULES.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
+    """``with_sharding_constraint`` of an activation by logical axis names, on the ambient mesh
+    (``jax.set_mesh``). A no-op without a multi-device pallasite mesh, and inside ``shard_map``
+    (manual axes), so model code calls it unconditionally."""
+    mesh = ambient_mesh()
+    if mesh is None:
+        return x
+    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))
+
+
+def ambient_mesh():
+    """The multi-device pallasite mesh set by ``jax.set_mesh`` that auto-partitioned code runs
+    on, or None (no mesh, one device, another library's mesh, or inside ``shard_map``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+        return None
+    if any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def batch_shards(batch_size: int) -> int:
+    """How many shards a batch dim of ``batch_size`` rows has on the ambient mesh (1 without)."""
+    mesh = ambient_mesh()
+    if mesh is None:
+        return 1
+    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    spec = logical_to_spec(("batch",), (batch_size,), mesh, rules)[0]
+    return math.prod(mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else (spec or ())))
+
+
+def per_shard(fn, args: Sequence[jax.Array], arg_axes: Sequence[Sequence[Optional[str]]],
+              out_axes: Sequence[Optional[str]]):
+    """``fn(*args)`` for an opaque kernel (a ``pallas_call``: XLA cannot partition it and would
+    gather every input whole onto each chip), run per shard with ``shard_map``. Each arg's dims
+    are named by logical axes and sharded by the active rules; ``fn`` must be independent across
+    those dims (no communication: batch rows, attention heads). Mesh axes that do not divide
+    *every* array dim of a logical axis are dropped for that axis, so all args agree."""
+    mesh = ambient_mesh()
+    if mesh is None:
+        return fn(*args)
+    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    sizes: dict[str, list[int]] = {}
+    for axes, x in zip(arg_axes, args):
+        for name, dim in zip(axes, x.shape):
+            if name is not None:
+                sizes.setdefault(name, []).append(dim)
+    chosen: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for name, dims in sizes.items():
+        picked, size = [], 1
+        for a in _mesh_axes_for(name, rules):
+            n = mesh.shape[a]
+            if n == 1 or a in used or any(d % (size * n) for d in dims):
+                continue
+            picked.append(a)
+            size *= n
+        used.update(picked)
+        chosen[name] = tuple(picked)
+
+    def spec(axes):
+        parts = [chosen.get(n, ()) if n is not None else () for n in axes]
+        return P(*[None if not c else (c[0] if len(c) == 1 else c) for c in parts])
+
+    if not any(chosen.values()):
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in arg_axes), out_specs=spec(out_axes),
+                         check_vma=False)(*args)
 
 
 def _value(var: nnx.Variable):

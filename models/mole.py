@@ -11,7 +11,7 @@ training they become a lookup table ``LUT[id, l, j]`` (``models/mole_lut.py``): 
 the module holds no expert weights and reads the step's rows from ``lut_rows`` [B, T, N, d].
 Defaults: ``n_experts=4``, D_r = D_s. Deviations: the router matmul runs in float32 (official:
 activation dtype, softmax in float32); ``n_experts=0`` is the paper's non-gated dense baseline;
-training runs each expert once per distinct token id (an exact rewrite). docs/experts.md.
+training runs each expert once per distinct token id of each batch shard (an exact rewrite). docs/experts.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallasite import sharding
 from pallasite.models.config import ModelConfig, kind_config
 from pallasite.models.context import ForwardContext
 from pallasite.models.layers import RMSNorm, activation, make_linear
@@ -149,26 +150,31 @@ def unique_rows(ids_X: jax.Array, max_unique: int):
     return slot_sorted[-1] + 1, rep_U, jnp.minimum(slot_X, max_unique - 1)
 
 
-def dedup_mixed_experts(n_XD, ids_X, g_XN, up_NDF, down_NFD, act: str, dtype, max_unique: int) -> jax.Array:
-    """``Σ_j g_j · E_j(n)`` computing the experts once per distinct token id (``n`` must be a
-    function of the id, as the normed embedding is). Falls back to ``mixed_experts_forward`` on
-    all rows when the batch has more than ``max_unique`` distinct ids."""
-    n_unique, rep_U, slot_X = unique_rows(ids_X, max_unique)
+def dedup_mixed_experts(n_GXD, ids_GX, g_GXN, up_NDF, down_NFD, act: str, dtype, max_unique: int) -> jax.Array:
+    """``Σ_j g_j · E_j(n)`` computing the experts once per distinct token id *within each of G
+    row groups* (``n`` must be a function of the id, as the normed embedding is): inputs carry a
+    leading group axis ``[G, X, ...]``. The groups are the batch's shards on the mesh, so the
+    sort and the gathers stay on each device (one global dedup over a sharded batch would gather
+    the whole batch and hold a [V, N·F] hidden on every chip). Falls back to
+    ``mixed_experts_forward`` on all rows when any group has more than ``max_unique`` ids."""
+    n_unique_G, rep_GU, slot_GX = jax.vmap(lambda ids: unique_rows(ids, max_unique))(ids_GX)
 
-    def dedup(n_XD, g_XN, up, down):
-        # up-projection + GELU once per distinct id ([U, N·F]); the gate-weighted down-projection
-        # stays one GEMM over all rows (a per-expert [U, N, D] output would need N small GEMMs)
+    def dedup(n_GXD, g_GXN, up, down):
+        # up-projection + GELU once per distinct id ([G, U, N·F]); the gate-weighted
+        # down-projection stays one GEMM over all rows (a per-expert [U, N, D] output would need N
+        # small GEMMs)
         N, D, F = up.shape
-        h_UF = jnp.dot(
-            jnp.take(n_XD, rep_U, axis=0).astype(dtype), up.astype(dtype).transpose(1, 0, 2).reshape(D, N * F)
-        )
-        a_XNF = jnp.take(activation(act)(h_UF), slot_X, axis=0).reshape(-1, N, F) * g_XN.astype(dtype)[..., None]
-        return jnp.dot(a_XNF.reshape(-1, N * F), down.astype(dtype).reshape(N * F, D))
+        n_GUD = jnp.take_along_axis(n_GXD, rep_GU[..., None], axis=1)
+        h_GUF = jnp.dot(n_GUD.astype(dtype), up.astype(dtype).transpose(1, 0, 2).reshape(D, N * F))
+        a_GXF = jnp.take_along_axis(activation(act)(h_GUF), slot_GX[..., None], axis=1)
+        a_GXNF = a_GXF.reshape(*slot_GX.shape, N, F) * g_GXN.astype(dtype)[..., None]
+        return jnp.dot(a_GXNF.reshape(*slot_GX.shape, N * F), down.astype(dtype).reshape(N * F, D))
 
-    def full(n_XD, g_XN, up, down):
-        return mixed_experts_forward(n_XD, g_XN, up, down, act, dtype).astype(dtype)
+    def full(n_GXD, g_GXN, up, down):
+        return mixed_experts_forward(n_GXD, g_GXN, up, down, act, dtype).astype(dtype)
 
-    return jax.lax.cond(n_unique <= max_unique, dedup, full, n_XD, g_XN, up_NDF, down_NFD)
+    # one predicate for all groups: a per-group cond under vmap would run both branches
+    return jax.lax.cond(jnp.all(n_unique_G <= max_unique), dedup, full, n_GXD, g_GXN, up_NDF, down_NFD)
 
 
 class RoutedExperts(nnx.Module):
@@ -242,13 +248,14 @@ class MoLEFFN(nnx.Module):
                 raise ValueError("MoLE FFN needs the embedding-layer output (ForwardContext.embed_BTD)")
             ex = self.experts
             n_BTD = self.expert_norm(embed_BTD)
-            X, D = B * T, self.d_model
+            G = sharding.batch_shards(B)  # dedup per batch shard: device-local (see dedup_mixed_experts)
+            X, D = B * T // G, self.d_model
             max_unique = min(int(self.dedup_fraction * X), self.vocab_size or X)
             if token_ids_BT is not None and 0 < max_unique < X:
                 mix = dedup_mixed_experts(
-                    n_BTD.reshape(X, D),
-                    token_ids_BT.reshape(X),
-                    g_BTN.reshape(X, -1),
+                    n_BTD.reshape(G, X, D),
+                    token_ids_BT.reshape(G, X),
+                    g_BTN.reshape(G, X, -1),
                     ex.up[...],
                     ex.down[...],
                     ex.act,

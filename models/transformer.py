@@ -23,12 +23,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallasite import sharding
 from pallasite.models.attention import Attention
 from pallasite.models.config import ModelConfig
 from pallasite.models.context import NO_TAPS, ForwardContext, Taps
 from pallasite.models.ffn import make_ffn
 from pallasite.models.layers import Embed, Linear, RMSNorm
 from pallasite.models.rope import inv_frequencies, rope_cos_sin
+
+# Residual-stream activations keep the batch sharding through every layer (sharding.constrain).
+RESIDUAL_AXES = ("batch", "seq", "act_embed")
 
 
 class Block(nnx.Module):
@@ -50,11 +54,11 @@ class Block(nnx.Module):
         h, cache = self.attn(ctx.tap("attn.in", self.input_norm(x_BTD)), ctx, cache=cache)
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
-        x_BTD = x_BTD + h
+        x_BTD = sharding.constrain(x_BTD + h, RESIDUAL_AXES)
         y, aux = self.ffn(ctx.tap("ffn.in", self.post_attn_norm(x_BTD)), ctx)
         if self.ffn_out_norm is not None:
             y = self.ffn_out_norm(y)
-        x_BTD = ctx.tap("block.out", x_BTD + ctx.tap("ffn.out", y))
+        x_BTD = ctx.tap("block.out", sharding.constrain(x_BTD + ctx.tap("ffn.out", y), RESIDUAL_AXES))
         return x_BTD, cache, aux
 
 
@@ -99,7 +103,7 @@ class Transformer(nnx.Module):
             positions_BT=positions_BT,
             rope=rope,
             token_ids_BT=tokens_BT,
-            embed_BTD=self.embed(tokens_BT),
+            embed_BTD=sharding.constrain(self.embed(tokens_BT), RESIDUAL_AXES),
             segment_ids_BT=segment_ids_BT,
             taps=taps,
             rope_local=rope_local,

@@ -216,30 +216,42 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_here(args, overrides: Sequence[str]) -> int:
+    from pallasite.errors import describe, is_user_error
     from pallasite.training.config import load_config
 
-    config = load_config(args.config, overrides=overrides)
     hbm = int(args.hbm_gib * GIB) if args.hbm_gib else None
     try:
+        config = load_config(args.config, overrides=overrides)
         r = check(config, args.topology, step=args.step, batch_size=args.batch, cache_len=args.cache_len,
                   hbm_bytes=hbm)
-    except ValueError:
-        raise
-    except Exception as e:  # a compile error, e.g. the TPU compiler's own out-of-memory verdict
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        need, have = compiler_oom_bytes(msg)
-        if need is not None:  # XLA:TPU refused it for HBM: that *is* the answer "does not fit"
-            print(f"DOES NOT FIT on {args.topology}: the TPU compiler needs at least {need} bytes per chip for "
-                  f"temporaries alone, the chip has {have} bytes HBM ({msg})")
-            print(json.dumps({"topology": args.topology, "per_chip_bytes": need, "hbm_bytes_per_chip": have,
-                              "fits": False, "error": msg}))
-            return 1
-        print(f"compile failed for {args.topology}: {msg}", file=sys.stderr)
-        print(json.dumps({"topology": args.topology, "per_chip_bytes": None, "fits": None, "error": msg}))
+    except Exception as e:
+        # a bad config, or a mesh the topology cannot hold (ValueError): one line, as cli.main does
+        # (this runs in a child process, outside it); anything else is the compiler's verdict
+        if not (is_user_error(e) or isinstance(e, ValueError)):
+            return _compile_failure(args, e)
+        if os.environ.get("PALLASITE_DEBUG", "").lower() not in ("", "0", "false", "no"):
+            raise
+        print(f"pallasite compile: error: {describe(e)}  (--debug shows the traceback)", file=sys.stderr)
+        print(json.dumps({"topology": args.topology, "per_chip_bytes": None, "fits": None, "error": describe(e)}))
         return 2
     print(format_report(r))
     print(json.dumps(r))
     return 0 if r["fits"] in (True, None) else 1
+
+
+def _compile_failure(args, e: Exception) -> int:
+    """A compile error, e.g. the TPU compiler's own out-of-memory verdict."""
+    msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    need, have = compiler_oom_bytes(msg)
+    if need is not None:  # XLA:TPU refused it for HBM: that *is* the answer "does not fit"
+        print(f"DOES NOT FIT on {args.topology}: the TPU compiler needs at least {need} bytes per chip for "
+              f"temporaries alone, the chip has {have} bytes HBM ({msg})")
+        print(json.dumps({"topology": args.topology, "per_chip_bytes": need, "hbm_bytes_per_chip": have,
+                          "fits": False, "error": msg}))
+        return 1
+    print(f"compile failed for {args.topology}: {msg}", file=sys.stderr)
+    print(json.dumps({"topology": args.topology, "per_chip_bytes": None, "fits": None, "error": msg}))
+    return 2
 
 
 def main(argv: Optional[Sequence[str]] = None, overrides: Sequence[str] = ()) -> int:

@@ -167,8 +167,13 @@ def make_train_step(graphdef, optimizer, schedule, shardings: dict, mesh, rules,
 
     Call it inside ``jax.set_mesh(mesh)`` (MoE layers look the mesh up for ``shard_map``)."""
     loss = loss or LOSS.get("lm")
-    fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, loss=loss,
-                           loss_config=loss_config, grad_accum=grad_accum, loss_chunk=loss_chunk)
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, loss=loss,
+                             loss_config=loss_config, grad_accum=grad_accum, loss_chunk=loss_chunk)
+
+    def fn(state, batch):
+        with shd.activation_rules(rules):  # the model's activation constraints follow the config's table
+            return step(state, batch)
+
     replicated = NamedSharding(mesh, P())
     return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, rules, batch_size, loss.batch_keys)),
                    out_shardings=(shardings, replicated), donate_argnums=(0,))
@@ -180,7 +185,8 @@ def make_eval_step(graphdef, shardings: dict, mesh, rules, batch_size: int, *, l
     loss = loss or LOSS.get("lm")
 
     def fn(params, other, batch):
-        _, terms = loss_value(graphdef, params, other, batch, loss=loss, loss_config=loss_config, chunk=loss_chunk)
+        with shd.activation_rules(rules):
+            _, terms = loss_value(graphdef, params, other, batch, loss=loss, loss_config=loss_config, chunk=loss_chunk)
         return terms.total, terms.count
 
     replicated = NamedSharding(mesh, P())

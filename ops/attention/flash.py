@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import pallasite.ops.attention.flash_gpu as flash_gpu
 import pallasite.ops.attention.flash_tpu as flash_tpu
+from pallasite import sharding
 from pallasite.ops.attention.reference import KV_LAYOUTS
 from pallasite.ops.attention.reference import attention as reference_attention
 from pallasite.ops.common import next_pow2
@@ -182,14 +183,23 @@ def flash_attention(
             if head_major
             else (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2))
         )
-        out = _flash(jnp.swapaxes(q_BTHD, 1, 2), k, v, qpos, kpos, qseg, kseg, kvalid, st)
+        out = _per_shard(st, (jnp.swapaxes(q_BTHD, 1, 2), k, v, qpos, kpos, qseg, kseg, kvalid), head_dim=1)
         return jnp.swapaxes(out, 1, 2)
     # GPU variant: slot-major k / v [B, S, K, D]; block sizes are powers of two >= 16
     st = dataclasses.replace(st, block_q=next_pow2(st.block_q), block_k=next_pow2(st.block_k))
     k, v = (
         (jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)) if head_major else (k_BSKD, v_BSKD)
     )
-    return _flash(q_BTHD, k, v, qpos, kpos, qseg, kseg, kvalid, st)
+    return _per_shard(st, (q_BTHD, k, v, qpos, kpos, qseg, kseg, kvalid), head_dim=2)
+
+
+def _per_shard(st: _Static, args, *, head_dim: int):
+    """The kernel on each (batch rows, heads) shard of the ambient mesh: rows and key/value
+    groups are independent, so no communication (``sharding.per_shard``)."""
+    qkv = ["batch", None, None, None]
+    qkv[head_dim] = "kv_heads"  # q's heads split with their key/value group
+    rows = ("batch", None)
+    return sharding.per_shard(lambda *a: _flash(*a, st), args, (qkv, qkv, qkv) + (rows,) * 5, qkv)
 
 
 __all__ = ["flash_attention"]

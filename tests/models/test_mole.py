@@ -254,6 +254,39 @@ def test_dedup_training_path_equals_all_tokens_path():
         MoLEConfig(dedup_fraction=1.5)
 
 
+def test_dedup_runs_per_batch_shard_and_the_sharded_step_matches_one_device(monkeypatch):
+    """On an 8-device FSDP mesh the dedup sorts and gathers each shard's own tokens ([G=8,
+    X/8] groups: a global dedup would gather the whole batch onto every chip) and the train
+    step's loss and gradient norm equal the single-device step's."""
+    from pallasite import sharding
+    from pallasite.models import mole as M
+    from pallasite.training import optim
+    from pallasite.training import step as st
+    from pallasite.training.config import train_defaults
+
+    seen = []
+    unique = M.unique_rows
+    monkeypatch.setattr(M, "unique_rows", lambda ids, m: (seen.append(tuple(ids.shape)), unique(ids, m))[1])
+    cfg = tiny_cfg(scan=True)
+    B, T = 16, 32
+    rng = np.random.default_rng(0)
+    tok = rng.integers(1, 12, (B, T + 1)).astype(np.int32)  # <= 11 distinct ids per shard: the dedup branch
+    batch = dict(tokens=tok[:, :-1], targets=tok[:, 1:], positions=np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+                 segment_ids=np.ones((B, T), np.int32), loss_mask=np.ones((B, T), np.float32))
+    opt, sched = optim.make_optimizer(train_defaults().optim, 10)
+    metrics = {}
+    for shape in ({"data": 1}, {"fsdp": 8}):
+        mesh = sharding.make_mesh(shape)
+        g, state, shardings = st.init_train_state(cfg, opt, mesh, sharding.DEFAULT_RULES, seed=0)
+        step = st.make_train_step(g, opt, sched, shardings, mesh, sharding.DEFAULT_RULES, B)
+        with jax.set_mesh(mesh):
+            _, m = step(state, st.put_batch(batch, st.batch_shardings(mesh, sharding.DEFAULT_RULES, B)))
+        metrics[len(mesh.devices.flat)] = jax.device_get(m)
+    assert (B * T,) in seen and (B * T // 8,) in seen, seen  # one group on 1 device, 8 groups on 8
+    np.testing.assert_allclose(metrics[8]["loss"], metrics[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics[8]["grad_norm"], metrics[1]["grad_norm"], rtol=1e-4)
+
+
 @pytest.mark.parametrize("size", ["cpu", "160m", "410m", "1b"])
 def test_expert_configs_equal_activated_params(size):
     """configs/experts: every variant activates the dense FFN's 2·d·D_s parameters per token

@@ -2,7 +2,7 @@
 
 ``L = Σ_t m_t (logsumexp(z_t) − z_t[y_t]) / Σ_t m_t`` plus the model's auxiliary losses. With
 ``chunk > 0`` the logits are never materialised for the whole batch: the final hidden states are cut
-into chunks of ``chunk`` tokens, each chunk's logits are produced, reduced to a scalar and dropped,
+into chunks of about ``chunk`` tokens (``chunk // B`` positions of every row), each chunk's logits are produced, reduced to a scalar and dropped,
 and ``jax.checkpoint`` recomputes them in the backward pass (memory O(chunk × V)).
 """
 
@@ -29,37 +29,43 @@ def _apply_head(g, s, tied, h_ND):
 
 
 def cross_entropy_sum(model, hidden_BTD, targets_BT, mask_BT, chunk: int = 0):
-    """(Σ_t m_t · CE_t, Σ_t m_t) in float32, over the vocab chunk by chunk when chunk > 0."""
+    """(Σ_t m_t · CE_t, Σ_t m_t) in float32, over the vocab chunk by chunk when chunk > 0.
+
+    A chunk is ``max(1, chunk // B)`` positions of *every* sequence ([B, Tc, D]), so each chunk
+    keeps the batch axis — and with it the batch sharding: every device works on its own rows in
+    every chunk. (Cutting the flattened [B·T] tokens instead gives chunks that live on one
+    device each; scanning over them makes XLA gather the whole hidden state onto every chip.)"""
     B, T, D = hidden_BTD.shape
     g, s, tied = _head(model)
-    h_ND = hidden_BTD.reshape(B * T, D)
-    y_N = targets_BT.reshape(B * T)
-    m_N = mask_BT.reshape(B * T).astype(jnp.float32)
+    m_BT = mask_BT.astype(jnp.float32)
 
     def chunk_ce(s, h, y, m):
         logits = _apply_head(g, s, tied, h).astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return jnp.sum(m * (lse - picked))
 
-    N = B * T
-    if chunk <= 0 or chunk >= N:
-        return chunk_ce(s, h_ND, y_N, m_N), jnp.sum(m_N)
-    pad = (-N) % chunk
-    if pad:  # padded tokens carry mask 0
-        h_ND = jnp.concatenate([h_ND, jnp.zeros((pad, D), h_ND.dtype)])
-        y_N = jnp.concatenate([y_N, jnp.zeros((pad,), y_N.dtype)])
-        m_N = jnp.concatenate([m_N, jnp.zeros((pad,), m_N.dtype)])
-    C = (N + pad) // chunk
+    Tc = max(1, chunk // B)
+    if chunk <= 0 or Tc >= T:
+        return chunk_ce(s, hidden_BTD, targets_BT, m_BT), jnp.sum(m_BT)
+    pad = (-T) % Tc
+    if pad:  # padded positions carry mask 0
+        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+        m_BT = jnp.pad(m_BT, ((0, 0), (0, pad)))
+    C = (T + pad) // Tc
     ce_chunk = jax.checkpoint(chunk_ce)  # recompute each chunk's logits in the backward pass
 
     def body(total, xs):
         h, y, m = xs
         return total + ce_chunk(s, h, y, m), None
 
+    def by_chunk(x):  # [B, C·Tc, ...] -> [C, B, Tc, ...]
+        return jnp.moveaxis(x.reshape(B, C, Tc, *x.shape[2:]), 1, 0)
+
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (h_ND.reshape(C, chunk, D), y_N.reshape(C, chunk), m_N.reshape(C, chunk)))
-    return total, jnp.sum(m_N)
+                            (by_chunk(hidden_BTD), by_chunk(targets_BT), by_chunk(m_BT)))
+    return total, jnp.sum(m_BT)
 
 
 def lm_terms(model, batch: dict, config=None, chunk: int = 0) -> LossTerms:
