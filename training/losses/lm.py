@@ -3,7 +3,8 @@
 ``L = Σ_t m_t (logsumexp(z_t) − z_t[y_t]) / Σ_t m_t`` plus the model's auxiliary losses. With
 ``chunk > 0`` the logits are never materialised for the whole batch: the final hidden states are cut
 into chunks of about ``chunk`` tokens (``chunk // B`` positions of every row), each chunk's logits
-are produced, reduced to a scalar and dropped, and ``jax.checkpoint`` recomputes them in the backward pass (memory O(chunk × V)).
+are produced, reduced to a scalar and dropped, and ``jax.checkpoint`` recomputes them in the
+backward pass (memory O(chunk × V)).
 """
 
 from __future__ import annotations
