@@ -37,8 +37,13 @@ class TokenBytes:
         return len(self.tokens)
 
     @functools.cached_property
+    def _special(self) -> frozenset:
+        return frozenset(self.special_ids)  # membership per token: a tuple scan was O(V x specials)
+
+    @functools.cached_property
     def _lookup(self) -> tuple:
-        lookup = {t: i for i, t in enumerate(self.tokens) if t and i not in self.special_ids}
+        special = self._special
+        lookup = {t: i for i, t in enumerate(self.tokens) if t and i not in special}
         return lookup, max(len(t) for t in lookup)
 
     def encode(self, text, add_special_tokens: bool = False) -> list[int]:
@@ -63,7 +68,7 @@ class TokenBytes:
         return b"".join(
             self.tokens[i]
             for i in ids
-            if i < n and not (skip_special_tokens and i in self.special_ids)
+            if i < n and not (skip_special_tokens and i in self._special)
         ).decode("utf-8", errors="replace")
 
 
