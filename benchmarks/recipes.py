@@ -258,11 +258,18 @@ def code_cot_section(out: dict, root: str, seeds, quick: bool) -> None:
     )
 
 
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function in one "
+                    "```python code block.\n\n```python\n{prompt}```")
+
+
 def humaneval_smollm2_section(
-    out: dict, limit: int = 0, max_new_tokens: int = 256, batch: int = 16
+    out: dict, limit: int = 0, max_new_tokens: int = 256, batch: int = 16, protocol: str = "completion"
 ) -> None:
-    """Greedy pass@1 of SmolLM2-135M-Instruct: the standard completion protocol (the raw prompt,
-    greedy, cut at the first top-level stop sequence), executed through the harness."""
+    """Greedy pass@1 of SmolLM2-135M-Instruct through the harness. ``completion``: the standard
+    protocol (the raw prompt, cut at the first top-level stop sequence). ``chat``: the instruct
+    models' protocol (evalplus-style): the prompt inside the chat template with an instruction,
+    the first fenced code block of the answer is the solution (it redefines the function after
+    the prompt's imports)."""
     import pallasite
     from pallasite.eval.execution import humaneval as HE
     from pallasite.models.gguf import smollm2_gguf_path
@@ -279,25 +286,31 @@ def humaneval_smollm2_section(
     texts = {}
     for s in range(0, len(order), batch):
         chunk = order[s : s + batch]
-        gens = pallasite.generate(
-            model,
-            [problems[t]["prompt"] for t in chunk],
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-        )
+        prompts = [problems[t]["prompt"] for t in chunk]
+        if protocol == "chat":
+            prompts = [model.tokenizer.apply_chat_template(
+                [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=p)}], tokenize=False,
+                add_generation_prompt=True) for p in prompts]
+        gens = pallasite.generate(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0)
         texts.update(zip(chunk, gens))
         print(
             f"  generated {min(s + batch, len(order))}/{len(order)} ({time.time() - t0:.0f} s)",
             file=sys.stderr,
         )
-    completions = {t: [HE.truncate_completion(texts[t])] for t in ids}
+    if protocol == "chat":
+        from pallasite.training.recipes.code_cot import extract_code
+
+        completions = {t: ["\n" + (extract_code(texts[t]) or "")] for t in ids}
+    else:
+        completions = {t: [HE.truncate_completion(texts[t])] for t in ids}
     report = HE.evaluate(completions, {t: problems[t] for t in ids})
     print(
-        f"\nHumanEval, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised, fp32), greedy, "
+        f"\nHumanEval, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised, fp32), {protocol} protocol, greedy, "
         f"{max_new_tokens} new tokens: pass@1 {report['pass@1']:.4f} "
         f"({report['passed']}/{report['total']}); generation {time.time() - t0:.0f} s"
     )
     out.update(
+        humaneval_smollm2_protocol=protocol,
         humaneval_smollm2_pass1=report["pass@1"],
         humaneval_smollm2_passed=report["passed"],
         humaneval_smollm2_total=report["total"],
@@ -316,6 +329,8 @@ def main(argv=None) -> dict:
         default=0,
         help="first N HumanEval problems for the SmolLM2 run",
     )
+    p.add_argument("--humaneval-protocol", choices=("completion", "chat"), default="completion",
+                   help="SmolLM2 HumanEval: raw-prompt completion, or the chat template + first code block")
     args = p.parse_args(argv)
     import jax
 
@@ -342,7 +357,7 @@ def main(argv=None) -> dict:
         elif s == "code_cot":
             code_cot_section(out, root, seeds, args.quick)
         elif s == "humaneval_smollm2":
-            humaneval_smollm2_section(out, args.humaneval_limit)
+            humaneval_smollm2_section(out, args.humaneval_limit, protocol=args.humaneval_protocol)
     out["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(out, default=float))
     return out
