@@ -178,29 +178,17 @@ def per_shard(fn, args: Sequence[jax.Array], arg_axes: Sequence[Sequence[Optiona
     if mesh is None:
         return fn(*args)
     rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
-    sizes: dict[str, list[int]] = {}
+    dims: dict[str, int] = {}  # per logical name, the gcd of its dims: what every one of them divides
     for axes, x in zip(arg_axes, args):
         for name, dim in zip(axes, x.shape):
             if name is not None:
-                sizes.setdefault(name, []).append(dim)
-    chosen: dict[str, tuple[str, ...]] = {}
-    used: set[str] = set()
-    for name, dims in sizes.items():
-        picked, size = [], 1
-        for a in _mesh_axes_for(name, rules):
-            n = mesh.shape[a]
-            if n == 1 or a in used or any(d % (size * n) for d in dims):
-                continue
-            picked.append(a)
-            size *= n
-        used.update(picked)
-        chosen[name] = tuple(picked)
+                dims[name] = math.gcd(dims.get(name, 0), int(dim))
+    chosen = dict(zip(dims, logical_to_spec(tuple(dims), tuple(dims.values()), mesh, rules)))
 
     def spec(axes):
-        parts = [chosen.get(n, ()) if n is not None else () for n in axes]
-        return P(*[None if not c else (c[0] if len(c) == 1 else c) for c in parts])
+        return P(*[None if n is None else chosen[n] for n in axes])
 
-    if not any(chosen.values()):
+    if not any(v is not None for v in chosen.values()):
         return fn(*args)
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in arg_axes), out_specs=spec(out_axes),
                          check_vma=False)(*args)
