@@ -526,10 +526,11 @@ def main(argv=None) -> None:
         "no",
     )
     argv = [a for a in argv if a != "--debug"]
-    if debug:  # child processes (pallasite compile's compiler process) inherit it
-        os.environ[DEBUG_ENV] = "1"
     command = next((a for a in argv if not a.startswith("-")), "")
     prefix = f"pallasite {command}".strip()
+    saved = os.environ.get(DEBUG_ENV)
+    if debug:  # child processes (pallasite compile's compiler process) inherit it, for this command only
+        os.environ[DEBUG_ENV] = "1"
     try:
         _run(argv)
     except KeyboardInterrupt as e:
@@ -542,6 +543,12 @@ def main(argv=None) -> None:
             raise
         print(f"{prefix}: error: {describe(e)}  (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
+    finally:
+        if debug:
+            if saved is None:
+                os.environ.pop(DEBUG_ENV, None)
+            else:
+                os.environ[DEBUG_ENV] = saved
 
 
 if __name__ == "__main__":

@@ -179,8 +179,12 @@ def test_usage_errors_exit_2(capsys):
 
 def test_debug_flag_and_env_show_the_traceback(tiny_model, capsys, monkeypatch):
     argv = ["train", "--config", TINY, "--workdir", str(tiny_model / "w"), "--config.train.stepz=3"]
+    monkeypatch.delenv("PALLASITE_DEBUG", raising=False)
     with pytest.raises(ConfigError, match="train.stepz"):
         cli.main(["--debug", *argv])
+    # --debug reaches child processes through the env for that command only: later calls in this
+    # process (a notebook, the tests) must not inherit it (Ctrl-C would then raise, not exit 130)
+    assert "PALLASITE_DEBUG" not in os.environ
     monkeypatch.setenv("PALLASITE_DEBUG", "1")
     with pytest.raises(ConfigError, match="train.stepz"):
         cli.main(argv)
