@@ -20,7 +20,7 @@ def get_config(arg=None):
     c.data.batch_size = a.batch
     c.train.loss_chunk = 8192
     # all 16 experts run for every token in training: a [tokens, 16 x 8192] hidden per layer, so the
-    # 1024 x 2048 batch goes in two micro-batches (64 GiB of 95 per v5p chip; one pass needs 129 GiB)
+    # 1024 x 2048 batch goes in two micro-batches (64 GiB of 95 per v5p chip; one pass needs 122 GiB)
     c.train.grad_accum = 2
     c.mesh.data = 1
     c.mesh.fsdp = -1
