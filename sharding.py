@@ -135,6 +135,10 @@ def activation_rules(rules):
         _ACTIVATION_RULES.reset(token)
 
 
+def _active_rules():
+    return _ACTIVATION_RULES.get() or DEFAULT_RULES
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
     """``with_sharding_constraint`` of an activation by logical axis names, on the ambient mesh
     (``jax.set_mesh``). A no-op without a multi-device pallasite mesh, and inside ``shard_map``
@@ -142,7 +146,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
     mesh = ambient_mesh()
     if mesh is None:
         return x
-    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    rules = _active_rules()
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))
 
 
@@ -162,7 +166,7 @@ def batch_shards(batch_size: int) -> int:
     mesh = ambient_mesh()
     if mesh is None:
         return 1
-    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    rules = _active_rules()
     spec = logical_to_spec(("batch",), (batch_size,), mesh, rules)[0]
     return math.prod(mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else (spec or ())))
 
@@ -177,7 +181,7 @@ def per_shard(fn, args: Sequence[jax.Array], arg_axes: Sequence[Sequence[Optiona
     mesh = ambient_mesh()
     if mesh is None:
         return fn(*args)
-    rules = _ACTIVATION_RULES.get() or DEFAULT_RULES
+    rules = _active_rules()
     dims: dict[str, int] = {}  # per logical name, the gcd of its dims: what every one of them divides
     for axes, x in zip(arg_axes, args):
         for name, dim in zip(axes, x.shape):
