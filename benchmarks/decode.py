@@ -24,8 +24,9 @@ CPU forced with ``CompileConfig._compile_all_devices``, mode "default"; a static
 compiled call was not built is refused); the better of the two is the baseline.
 
 On a CPU with the GGUF, ``--llamacpp auto|on`` adds llama.cpp (``llama-cpp-python``) on the same
-GGUF as stored (Q4_1), batch 1, the same prompt ids and thread count, runs alternating; prefill
-and decode tok/s separately, each as a share of its bandwidth limit (decode: bandwidth / weight
+GGUF as stored (Q4_1), batch 1, the same prompt ids (held-out stdlib text) and thread count, runs
+alternating; parity as teacher-forced top-1 agreement over the prompt and the agreeing greedy
+prefix; prefill and decode tok/s separately, each as a share of its bandwidth limit (decode: bandwidth / weight
 bytes per step; prefill: prompt tokens x bandwidth / weight bytes). ``on`` refuses when it cannot
 run; ``auto`` says in the output why the table is absent.
 ``--model llama3-8b-shape``: RANDOM bf16 weights of the Llama-3-8B shape (``--layers`` fewer
@@ -54,6 +55,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
@@ -419,13 +421,68 @@ def pallasite_split_runner(cfg, state, prompt, n_new):
     return (lambda: _timed(lambda: gen(1))), full
 
 
+def real_text_prompt(path, prompt_len):
+    """``prompt_len`` ids of real text: the first held-out stdlib file long enough, tokenized by
+    llama.cpp from the GGUF's own vocabulary (random ids give flat logits whose top two are close,
+    so one rounding flip would end greedy agreement at once and say nothing about parity)."""
+    from pallasite.training.data import stdlib_texts
+
+    llama_cpp = _llama_cpp_or_refuse()
+    vocab_only = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in stdlib_texts("eval"):
+        ids = vocab_only.tokenize(text.encode(), add_bos=False)
+        if len(ids) >= prompt_len:
+            return ids[:prompt_len]
+    raise SystemExit(f"benchmarks/decode.py: no held-out stdlib file has {prompt_len} tokens")
+
+
+def teacher_forced_parity(cfg, state32, path, prompt, threads):
+    """(top-1 agreement, mean |logit difference|) of llama.cpp and pallasite float32 over every
+    prompt position, both reading the same ids: parity without the compounding of greedy decoding."""
+    llama_cpp = _llama_cpp_or_refuse()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 8, n_batch=len(prompt), n_ubatch=len(prompt),
+                          n_threads=threads, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    theirs = np.asarray(llm.scores[: len(prompt)], np.float32)
+    model = nnx.merge(nnx.split(abstract_model(cfg))[0], state32)
+    ours = np.asarray(model(jnp.asarray([prompt]))[0][0], np.float32)
+    del llm, model
+    return float((ours.argmax(-1) == theirs.argmax(-1)).mean()), float(np.abs(ours - theirs).mean())
+
+
+def write_f32_copy(path, out_path) -> None:
+    """The GGUF at ``path`` with every tensor dequantised to F32 (metadata copied as is): llama.cpp
+    then runs plain F32 dots, so its parity with pallasite separates the two implementations from
+    llama.cpp's quantized Q4_1 x Q8_1 dots (activations rounded to 8 bits per 32-block)."""
+    import gguf as gguf_pkg
+
+    reader = gguf_pkg.GGUFReader(os.fspath(path))
+    writer = gguf_pkg.GGUFWriter(os.fspath(out_path), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # header fields: the writer makes its own
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf_pkg.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf_pkg.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def llamacpp_bench(cfg, state32, path, prompt_len, n_new, reps, dtypes, bandwidth_fn):
     """llama.cpp (the GGUF as stored, Q4_1 blocks) vs pallasite (the same GGUF dequantised, per dtype)
-    at batch 1: same prompt ids, same thread count, runs alternating; prefill and decode tok/s
-    separately, each as a share of its bandwidth limit (see the module doc)."""
+    at batch 1: same real-text prompt ids, same thread count, runs alternating; prefill and decode
+    tok/s separately, each as a share of its bandwidth limit (see the module doc), and parity:
+    teacher-forced top-1 agreement over the prompt and the greedy prefix that agrees."""
     threads = os.cpu_count() or 1
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(1, cfg.vocab_size, size=prompt_len).tolist()
+    prompt = real_text_prompt(path, prompt_len)
+    tf_agree, tf_mad = teacher_forced_parity(cfg, state32, path, prompt, threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_f32_copy(path, os.path.join(tmp, "f32.gguf"))
+        f32_agree, f32_mad = teacher_forced_parity(cfg, state32, os.path.join(tmp, "f32.gguf"), prompt, threads)
     systems = {}
     prefill, decode = llama_cpp_runner(path, prompt, n_new, threads)
     prefill(), decode()  # warm-up
@@ -445,15 +502,22 @@ def llamacpp_bench(cfg, state32, path, prompt_len, n_new, reps, dtypes, bandwidt
     bw = bandwidth_fn()
     ref = best["llama.cpp (GGUF as stored)"][2]
     print(f"\n# CPU baseline: llama.cpp (llama-cpp-python {_llama_cpp_or_refuse().__version__}) vs pallasite, "
-          f"batch 1, the same {prompt_len} prompt ids, {n_new} new tokens, {threads} threads each, best of {reps} "
+          f"batch 1, the same {prompt_len} prompt ids (held-out stdlib text), {n_new} new tokens, "
+          f"{threads} threads each, best of {reps} "
           f"alternating rounds; bandwidth {bw / 1e9:.1f} GB/s")
     print("# decode limit = bandwidth / weight bytes per step; prefill limit = prompt tokens x bandwidth / "
           "weight bytes (the weights read once for the whole prompt)")
+    print(f"# parity over the {prompt_len} prompt positions (teacher-forced, pallasite float32 vs llama.cpp): "
+          f"top-1 agreement {tf_agree:.1%}, mean |logit difference| {tf_mad:.3f}; against llama.cpp on an F32 "
+          f"copy of the GGUF (no quantized dots): {f32_agree:.1%}, {f32_mad:.4f}")
     print("| system | weight MB/step | prefill tok/s | prefill share of limit | decode tok/s | decode share of limit "
           "| greedy agree with llama.cpp |")
     print("|---|---|---|---|---|---|---|")
     out = {"llamacpp_threads": threads, "llamacpp_prompt_len": prompt_len,
-           "llamacpp_bandwidth_GBps": round(bw / 1e9, 2)}
+           "llamacpp_bandwidth_GBps": round(bw / 1e9, 2), "llamacpp_teacher_forced_top1_agree": round(tf_agree, 4),
+           "llamacpp_teacher_forced_mean_abs_logit_diff": round(tf_mad, 4),
+           "llamacpp_f32_teacher_forced_top1_agree": round(f32_agree, 4),
+           "llamacpp_f32_teacher_forced_mean_abs_logit_diff": round(f32_mad, 5)}
     for k, (kind, _, _, wb) in systems.items():
         t_pre, t_dec, toks = best[k]
         pre_tps, dec_tps = prompt_len / t_pre, (n_new - 1) / t_dec
@@ -462,6 +526,7 @@ def llamacpp_bench(cfg, state32, path, prompt_len, n_new, reps, dtypes, bandwidt
         print(f"| {k} | {wb / 1e6:.0f} | {pre_tps:.1f} | {pre_share:.1%} | {dec_tps:.1f} | {dec_share:.0%} | "
               f"{agree}/{n_new} |", flush=True)
         tag = "llamacpp" if kind == "llama.cpp" else f"pallasite_{k.split()[1]}"
+        out[f"{tag}_greedy_agree_prefix"] = agree
         out.update({f"{tag}_prefill_tok_s": round(pre_tps, 2), f"{tag}_decode_tok_s": round(dec_tps, 2),
                     f"{tag}_prefill_bw_share": round(pre_share, 4), f"{tag}_decode_bw_share": round(dec_share, 3),
                     f"{tag}_weight_bytes": wb})

