@@ -91,3 +91,26 @@ def test_train_matmul_precision_is_set_on_both_sides():
     finally:
         jax.config.update("jax_default_matmul_precision", before[0])
         torch.set_float32_matmul_precision(before[1])
+
+
+def test_f32_copy_of_the_gguf_holds_the_same_weights(smollm2, tmp_path):
+    """The llama.cpp parity row's F32 copy: every tensor of the Q4_1 / Q8_0 GGUF dequantised, the
+    metadata kept, so pallasite imports the same config, weights and tokenizer from it (llama.cpp
+    then runs plain F32 dots on the very weights pallasite uses)."""
+    import gguf as gguf_pkg
+
+    from pallasite.models import gguf
+
+    src = gguf.smollm2_gguf_path()
+    D.write_f32_copy(src, tmp_path / "f32.gguf")
+    types = {t.tensor_type.name for t in gguf_pkg.GGUFReader(str(tmp_path / "f32.gguf")).tensors}
+    assert types == {"F32"}, types
+    cfg, state, tok = gguf.import_gguf(tmp_path / "f32.gguf")
+    cfg0, state0, tok0 = smollm2
+    assert cfg == cfg0
+    flat, flat0 = jax.tree.leaves_with_path(state), dict(jax.tree.leaves_with_path(state0))
+    assert len(flat) == len(flat0)
+    for path, leaf in flat:
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(flat0[path]), err_msg=str(path))
+    text = "def fib(n):\n    return n"
+    assert tok.encode(text) == tok0.encode(text)
