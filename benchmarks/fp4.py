@@ -8,7 +8,9 @@ plus the paper's ablations, on the same data, seeds and steps, in one process.
 Rows (``--rows``): ``bf16`` (float linears, bf16 compute), ``fp4`` (W4A4, DGE, OCC α=0.99),
 ``fp4_direct`` (W4A4, straight-through, no OCC), ``w4a8_dge`` (FP8 activations, DGE only),
 ``w8a4_occ`` (FP8 weights, OCC only), ``fp4_pow2`` (``fp4`` with the released code's
-power-of-two scale), ``w8a8`` (a control: FP8 E4M3 operands, no OCC, must track bf16).
+power-of-two scale), ``w8a8`` (a control: FP8 E4M3 operands, no OCC, must track bf16),
+``bf16_lr2x`` / ``bf16_lr4x`` (bf16 at 2x / 4x the peak learning rate: is the baseline's lr the
+reason DGE rows end lower?).
 Every row uses bf16 compute outside the linears and the same AdamW, schedule,
 data order (seeded per seed) and initialisation (same seed -> same initial weights). Headline rows
 (bf16, fp4) run every seed of ``--seeds``, the others ``--ablation-seeds``. The data is the local
@@ -58,8 +60,13 @@ ROWS: dict[str, Optional[FP4Config]] = {
     "w8a4_occ": FP4Config(w_bits=8, w_grad="ste"),
     "fp4_pow2": FP4Config(scale="pow2"),
     "w8a8": FP8_CONTROL,
+    "bf16_lr2x": None,
+    "bf16_lr4x": None,
 }
 HEADLINE = ("bf16", "fp4")
+# controls for "is DGE's lead a learning-rate effect?": bf16 with the peak lr scaled (AdamW, so a
+# gradient rescaling alone would cancel; DGE's f' varies per element, which a global lr does not)
+LR_SCALE = {"bf16_lr2x": 2.0, "bf16_lr4x": 4.0}
 SIZES = {  # model, data and schedule per size
     "quick": dict(
         d_model=128,
@@ -411,7 +418,7 @@ def main(argv=None) -> dict:
                     model_config(size, vocab, ROWS[name]),
                     train_tok,
                     evals,
-                    size,
+                    dict(size, lr=size["lr"] * LR_SCALE.get(name, 1.0)),
                     seed,
                     size["steps"],
                 )
