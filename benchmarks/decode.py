@@ -25,10 +25,11 @@ compiled call was not built is refused); the better of the two is the baseline.
 
 On a CPU with the GGUF, ``--llamacpp auto|on`` adds llama.cpp (``llama-cpp-python``) on the same
 GGUF as stored (Q4_1), batch 1, the same prompt ids (held-out stdlib text) and thread count, runs
-alternating; parity as teacher-forced top-1 agreement over the prompt and the agreeing greedy
-prefix; prefill and decode tok/s separately, each as a share of its bandwidth limit (decode: bandwidth / weight
-bytes per step; prefill: prompt tokens x bandwidth / weight bytes). ``on`` refuses when it cannot
-run; ``auto`` says in the output why the table is absent.
+alternating; prefill and decode tok/s separately, each as a share of its bandwidth limit (decode:
+bandwidth / weight bytes per step; prefill: prompt tokens x bandwidth / weight bytes); parity as
+teacher-forced top-1 agreement over the prompt, against the GGUF and against an F32 copy of it,
+and the agreeing greedy prefix. ``on`` refuses when it cannot run; ``auto`` says in the output
+why the table is absent.
 ``--model llama3-8b-shape``: RANDOM bf16 weights of the Llama-3-8B shape (``--layers`` fewer
 layers where memory is short), pallasite alone, batch 1, bandwidth share of the whole call and of
 decode alone. ``--matvec-bench``: XLA's read rate of a float32 / bfloat16 / int8 weight matrix in
@@ -68,7 +69,7 @@ from flax import nnx  # noqa: E402
 from pallasite.inference.engine import generate_ids  # noqa: E402
 from pallasite.models import gguf  # noqa: E402
 from pallasite.models.config import GEMMA3_FLAGS, ModelConfig, gemma3_layer_types  # noqa: E402
-from pallasite.models.transformer import abstract_model, init_model  # noqa: E402
+from pallasite.models.transformer import abstract_model, forward, init_model  # noqa: E402
 
 SMOLLM2 = dict(family="llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
                norm_eps=1e-5, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True)
@@ -444,9 +445,8 @@ def teacher_forced_parity(cfg, state32, path, prompt, threads):
                           n_threads=threads, logits_all=True, verbose=False)
     llm.eval(prompt)
     theirs = np.asarray(llm.scores[: len(prompt)], np.float32)
-    model = nnx.merge(nnx.split(abstract_model(cfg))[0], state32)
-    ours = np.asarray(model(jnp.asarray([prompt]))[0][0], np.float32)
-    del llm, model
+    ours = np.asarray(forward(nnx.split(abstract_model(cfg))[0], state32, jnp.asarray([prompt]))[0][0], np.float32)
+    del llm
     return float((ours.argmax(-1) == theirs.argmax(-1)).mean()), float(np.abs(ours - theirs).mean())
 
 
@@ -526,8 +526,8 @@ def llamacpp_bench(cfg, state32, path, prompt_len, n_new, reps, dtypes, bandwidt
         print(f"| {k} | {wb / 1e6:.0f} | {pre_tps:.1f} | {pre_share:.1%} | {dec_tps:.1f} | {dec_share:.0%} | "
               f"{agree}/{n_new} |", flush=True)
         tag = "llamacpp" if kind == "llama.cpp" else f"pallasite_{k.split()[1]}"
-        out[f"{tag}_greedy_agree_prefix"] = agree
-        out.update({f"{tag}_prefill_tok_s": round(pre_tps, 2), f"{tag}_decode_tok_s": round(dec_tps, 2),
+        out.update({f"{tag}_greedy_agree_prefix": agree,
+                    f"{tag}_prefill_tok_s": round(pre_tps, 2), f"{tag}_decode_tok_s": round(dec_tps, 2),
                     f"{tag}_prefill_bw_share": round(pre_share, 4), f"{tag}_decode_bw_share": round(dec_share, 3),
                     f"{tag}_weight_bytes": wb})
     return out
