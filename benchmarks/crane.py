@@ -43,7 +43,7 @@ def gsm_task():
         ans = T.last_span(text)
         return T.equivalent(ans, p.answer, p.variable_types), T.parses(ans)
 
-    from pallasite.eval.tasks.traces import GSM_NAMES
+    from pallasite.eval.tasks.traces import GSM_KIND, GSM_NAMES
 
     return dict(
         name="gsm",
@@ -52,7 +52,7 @@ def gsm_task():
         start=T.START,
         end=T.END,
         score=score,
-        make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES),
+        make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES, GSM_KIND),
         modes=("unconstrained", "constrained", "cot", "crane"),
     )
 

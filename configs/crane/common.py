@@ -16,9 +16,8 @@ def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
     root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(
         tempfile.gettempdir(), "pallasite_crane"
     )
-    path = arg.data or os.path.join(
-        root, f"{task}_train_{arg.n}" + ("_pos" if task == "gsm" else "") + ".jsonl"
-    )
+    suffix = f"_{traces.GSM_KIND}" if task == "gsm" else ""
+    path = arg.data or os.path.join(root, f"{task}_train_{arg.n}{suffix}.jsonl")
     if not os.path.exists(path):
         traces.write(task, path, arg.n)
     c = train_defaults()

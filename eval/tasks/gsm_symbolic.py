@@ -101,9 +101,7 @@ class Problem:
 def _names(rng: random.Random, k: int) -> list:
     out: list = []
     while len(out) < k:
-        n = rng.choice(_VAR_LETTERS) + (
-            rng.choice(_VAR_LETTERS + "0123456789") if rng.random() < 0.6 else ""
-        )
+        n = rng.choice(_VAR_LETTERS) + (rng.choice(_VAR_LETTERS + "0123456789") if rng.random() < 0.6 else "")
         if n not in out and n not in _RESERVED:
             out.append(n)
     return out
@@ -113,9 +111,7 @@ def _wrap(expr: str, prec: int, need: int) -> str:
     return f"({expr})" if prec < need else expr
 
 
-def make_problem(
-    rng: random.Random, n_steps: Optional[int] = None, names: str = "random"
-) -> Problem:
+def make_problem(rng: random.Random, n_steps: Optional[int] = None, names: str = "random") -> Problem:
     """``names="random"``: variables named per problem; ``"positional"``: a, b, c, ... in order of
     appearance (the answer then depends on the operations alone, not on copying names)."""
     n_ops = n_steps if n_steps is not None else rng.randint(2, 4)
@@ -155,8 +151,90 @@ def make_problem(
     )
 
 
-def make_problems(n: int, seed: int, names: str = "random") -> list:
+# (sentence template, expression builder, precedence of the result): one person's count from another's
+_RELATIONS = (
+    ("{who} has {{{v}}} more {item} than {ref}.", lambda q, v: f"{q} + {v}", 1),
+    ("{who} has {{{v}}} fewer {item} than {ref}.", lambda q, v: f"{q} - {v}", 1),
+    ("{who} has {{{v}}} times as many {item} as {ref}.", lambda q, v: f"{q} * {v}", 2),
+    (
+        "{who} gets one share when {ref} splits the {item} equally among {{{v}}} friends.",
+        lambda q, v: f"{q} // {v}",
+        2,
+    ),
+    (
+        "{who} gets the {item} left over when {ref} packs them into boxes of {{{v}}}.",
+        lambda q, v: f"{q} % {v}",
+        2,
+    ),
+)
+
+
+def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> Problem:
+    """A multi-hop problem: a chain of people, each person's count defined from the previous
+    one's, told in shuffled order, asking the last person's count. Variables are a, b, c, ... in
+    order of appearance in the question, so neither the sentence order nor the names give the
+    chain away: the chain of thought resolves it one hop per sentence ("Mia has << a + c >>"),
+    the direct answer has to follow every hop before writing the first variable."""
+    hops = n_hops if n_hops is not None else rng.randint(2, 4)
+    people, item = rng.sample(NAMES, hops + 1), rng.choice(ITEMS)
+    # slots: per sentence the variable ids it mentions (ids are renamed by first appearance later)
+    root_bags = rng.random() < 0.5
+    root = (
+        (f"{people[0]} has {{v0}} bags with {{v1}} {item} each.", (0, 1))
+        if root_bags
+        else (f"{people[0]} has {{v0}} {item}.", (0,))
+    )
+    relations, var_id = [], len(root[1])
+    for i in range(1, hops + 1):
+        relations.append((rng.choice(_RELATIONS), var_id, i))
+        var_id += 1
+    order = list(range(hops + 1))
+    rng.shuffle(order)
+    sentences_with_ids = []
+    for k in order:
+        if k == 0:
+            sentences_with_ids.append(root)
+        else:
+            (template, _, _), vid, i = relations[k - 1]
+            sent = template.format(who=people[i], ref=people[i - 1], item=item, v=f"v{vid}")
+            sentences_with_ids.append((sent, (vid,)))
+    letter: dict = {}
+    for _, ids in sentences_with_ids:
+        for vid in ids:
+            letter.setdefault(vid, "abcdefgh"[len(letter)])
+    names_of = {f"v{vid}": letter[vid] for vid in letter}
+    sentences = [sent.format(**{k: "{" + v + "}" for k, v in names_of.items()}) for sent, _ in sentences_with_ids]
+    q, prec = (f"{letter[0]} * {letter[1]}", 2) if root_bags else (letter[0], 3)
+    steps = [q]
+    cot = ["Let's think step by step.", f"{people[0]} has {START}{q}{END} {item}."]
+    for (_, build, p), vid, i in relations:
+        q = build(_wrap(q, prec, p), letter[vid])
+        prec = p
+        steps.append(q)
+        cot.append(f"{people[i]} has {START}{q}{END} {item}.")
+    sentences.append(f"How many {item} does {people[-1]} have?")
+    cot.append(f"The final answer is {START}{q}{END}.")
+    return Problem(
+        question=" ".join(sentences),
+        variables=tuple(sorted(letter.values())),
+        answer=q,
+        steps=tuple(steps),
+        cot=" ".join(cot),
+        direct=f"{START}{q}{END}",
+    )
+
+
+KINDS = ("steps", "relations")
+
+
+def make_problems(n: int, seed: int, names: str = "random", kind: str = "steps") -> list:
+    """``kind="steps"``: one person, a chain of operations in order (``make_problem``);
+    ``"relations"``: a shuffled multi-hop chain of people (``make_relation_problem``)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
     rng = random.Random(seed)
+    if kind == "relations":
+        return [make_relation_problem(rng) for _ in range(n)]
     return [make_problem(rng, names=names) for _ in range(n)]
 
 
@@ -305,10 +383,7 @@ def equivalent(a: Optional[str], b: str, variable_types: dict, *, timeout_ms: in
     for n, v in env.items():
         solver.add(v >= 1, z3.IsInt(v))
     try:
-        solver.add(
-            _z3_term(ast.parse(a, mode="eval").body, env)
-            != _z3_term(ast.parse(b, mode="eval").body, env)
-        )
+        solver.add(_z3_term(ast.parse(a, mode="eval").body, env) != _z3_term(ast.parse(b, mode="eval").body, env))
     except (ValueError, z3.Z3Exception):
         return random_equivalent(a, b, names)
     result = solver.check()
@@ -327,9 +402,7 @@ def answer_grammar(variables=None) -> str:
     ``variables``, VARIABLE admits only those names (the semantic check CRANE's driver enforces
     by backtracking, here by the grammar)."""
     if variables:
-        var = "VARIABLE: " + " | ".join(
-            f'"{v}"' for v in sorted(variables, key=lambda s: (-len(s), s))
-        )
+        var = "VARIABLE: " + " | ".join(f'"{v}"' for v in sorted(variables, key=lambda s: (-len(s), s)))
     else:
         var = "VARIABLE: /[a-zA-Z_][a-zA-Z0-9_]*/"
     return "\n".join(
@@ -351,6 +424,8 @@ __all__ = [
     "Problem",
     "make_problem",
     "make_problems",
+    "make_relation_problem",
+    "KINDS",
     "prompt",
     "training_text",
     "last_span",

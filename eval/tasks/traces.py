@@ -19,14 +19,15 @@ TRAIN_SEED = 1
 EVAL_SEED = 1_000_003
 
 
-GSM_NAMES = "positional"  # the trained task models' variable naming (see gsm_symbolic.make_problem)
+# the trained GSM model's problems: shuffled multi-hop chains of people (gsm_symbolic.make_problems)
+GSM_KIND, GSM_NAMES = "relations", "positional"
 
 
 def texts(task: str, n: int, seed: int = TRAIN_SEED) -> list:
     if task == "gsm":
         return [
             gsm_symbolic.training_text(p, cot)
-            for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES)
+            for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES, GSM_KIND)
             for cot in (False, True)
         ]
     if task == "folio":

@@ -7,9 +7,7 @@ from pallasite.eval.tasks import folio, traces
 from pallasite.eval.tasks import gsm_symbolic as G
 from pallasite.inference.constrained import Constraint, HostSession, TokenBytes
 
-BYTES = TokenBytes(
-    tuple(bytes([i]) for i in range(256)) + (b"<eos>",), eos_token_id=256, special_ids=(256,)
-)
+BYTES = TokenBytes(tuple(bytes([i]) for i in range(256)) + (b"<eos>",), eos_token_id=256, special_ids=(256,))
 INT = {v: "int" for v in "abcdxy"}
 
 
@@ -49,28 +47,78 @@ def test_generated_gsm_problems_grammar_and_traces():
         for step in p.steps:
             assert _accepts(grammar, f"<<{step}>>")
     g = G.answer_grammar(["a", "ab"])
-    assert (
-        _accepts(g, "<<int(ab // 2) - a>>")
-        and not _accepts(g, "<<b>>")
-        and not _accepts(g, "<<a ** 2>>")
-    )
+    assert _accepts(g, "<<int(ab // 2) - a>>") and not _accepts(g, "<<b>>") and not _accepts(g, "<<a ** 2>>")
     assert len(traces.texts("gsm", 3)) == 6
 
 
+def _solve_relations(question: str, values: dict) -> int:
+    """An independent reader of a relation problem: resolve the shuffled sentences by name."""
+    import re
+
+    have, pending = {}, [s for s in re.split(r"(?<=[.?]) ", question) if not s.startswith("How")]
+    asked = re.search(r"does (\w+) have", question).group(1)
+    rules = [
+        (r"(\w+) has \{(\w+)\} bags with \{(\w+)\} \w+ each", lambda m, h: values[m[2]] * values[m[3]]),
+        (r"(\w+) has \{(\w+)\} \w+\.$", lambda m, h: values[m[2]]),
+        (r"(\w+) has \{(\w+)\} more \w+ than (\w+)", lambda m, h: h[m[3]] + values[m[2]]),
+        (r"(\w+) has \{(\w+)\} fewer \w+ than (\w+)", lambda m, h: h[m[3]] - values[m[2]]),
+        (r"(\w+) has \{(\w+)\} times as many \w+ as (\w+)", lambda m, h: h[m[3]] * values[m[2]]),
+        (r"(\w+) gets one share when (\w+) splits .* among \{(\w+)\}", lambda m, h: h[m[2]] // values[m[3]]),
+        (r"(\w+) gets the \w+ left over when (\w+) packs .* of \{(\w+)\}", lambda m, h: h[m[2]] % values[m[3]]),
+    ]
+    while pending:
+        progressed = False
+        for sent in list(pending):
+            for pattern, value in rules:
+                m = re.search(pattern, sent)
+                if m:
+                    refs = [g for g in m.groups()[1:] if g in G.NAMES]
+                    if all(r in have for r in refs):
+                        have[m[1]] = value(m, have)
+                        pending.remove(sent)
+                        progressed = True
+                    break
+            else:
+                raise AssertionError(f"unread sentence {sent!r}")
+        assert progressed, pending
+    return have[asked]
+
+
+def test_relation_problems_are_shuffled_multi_hop_chains_the_gold_answer_solves():
+    import ast
+    import fractions
+    import re
+
+    problems = G.make_problems(60, 3, kind="relations")
+    rng = random.Random(1)
+    root_first = 0
+    for p in problems:
+        assert p.variables == tuple("abcdefgh"[: len(p.variables)])  # named by first appearance
+        assert G.last_span(p.cot) == p.answer and G.last_span(p.direct) == p.answer
+        grammar = G.answer_grammar(p.variables)
+        for step in p.steps:
+            assert _accepts(grammar, f"<<{step}>>")
+        for _ in range(5):  # the gold expression is what the sentences say, read by name
+            values = {v: rng.randint(1, 30) for v in p.variables}
+            gold = G._evaluate(
+                ast.parse(p.answer, mode="eval").body, {k: fractions.Fraction(v) for k, v in values.items()}
+            )
+            assert _solve_relations(p.question, values) == gold, p.question
+        first = p.question.split(". ")[0]
+        root_first += bool(re.match(r"\w+ has \{\w+\} (bags with|\w+$)", first))
+    assert 5 < root_first < 45  # the root sentence is not always first: the order is shuffled
+    assert len({len(p.steps) for p in problems}) == 3  # 2-4 hops after the root
+    assert traces.GSM_KIND in G.KINDS
+
+
 def test_folio_labels_by_z3():
-    prog = (
-        "Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\n"
-        "Conclusion:\n"
-    )
+    prog = "Predicates:\nCat(x)\nFurry(x)\nPremises:\n{forall} x (Cat(x) {implies} Furry(x))\nCat(rex)\nConclusion:\n"
     assert folio.evaluate(prog + "Furry(rex)\n") == "True"
     assert folio.evaluate(prog + "{not} Furry(rex)\n") == "False"
     assert folio.evaluate(prog + "Furry(tom)\n") == "Unknown"
     assert folio.evaluate(prog.replace("Cat(rex)", "Cat(rex") + "Furry(rex)\n") is None
     assert (
-        folio.evaluate(
-            "Predicates:\nP(x)\nPremises:\n{exists} x (P(x))\nConclusion:\n"
-            "{not} {forall} x ({not} P(x))\n"
-        )
+        folio.evaluate("Predicates:\nP(x)\nPremises:\n{exists} x (P(x))\nConclusion:\n{not} {forall} x ({not} P(x))\n")
         == "True"
     )
 
@@ -82,6 +130,4 @@ def test_folio_problems_are_balanced_and_the_program_grammar_accepts_them():
     for p in ps[:6]:
         assert folio.evaluate(p.program) == p.label
         assert _accepts(g, p.program)
-    assert not _accepts(
-        g, "Predicates:\nCat(x)\nPremises:\nCat(rex) {and}\nConclusion:\nCat(rex)\n"
-    )
+    assert not _accepts(g, "Predicates:\nCat(x)\nPremises:\nCat(rex) {and}\nConclusion:\nCat(rex)\n")
