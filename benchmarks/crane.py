@@ -5,6 +5,7 @@
     python -m pallasite.benchmarks.crane --smollm2          # SmolLM2-135M-Instruct few-shot (slow on CPU)
     python -m pallasite.benchmarks.crane --json-schema      # tool-call JSON on SmolLM2: valid-output rate
     python -m pallasite.benchmarks.crane --masking          # CRANE: opportunistic vs always-mask (+ overlap)
+    python -m pallasite.benchmarks.crane --quick --gsm-kind relations   # the shuffled multi-hop GSM variant
     python -m pallasite.benchmarks.crane_engines            # llguidance vs XGrammar: compile / mask times
 
 The task models are ``pallasite train`` runs of ``configs/crane/{gsm,folio}.py`` in ``--models``
@@ -36,14 +37,15 @@ def _log(*a):
 # ----------------------------------------------------------------------------- tasks
 
 
-def gsm_task():
+def gsm_task(kind: str = ""):
     from pallasite.eval.tasks import gsm_symbolic as T
+    from pallasite.eval.tasks.traces import GSM_KIND, GSM_NAMES
+
+    kind = kind or GSM_KIND
 
     def score(text, p):
         ans = T.last_span(text)
         return T.equivalent(ans, p.answer, p.variable_types), T.parses(ans)
-
-    from pallasite.eval.tasks.traces import GSM_KIND, GSM_NAMES
 
     return dict(
         name="gsm",
@@ -52,7 +54,7 @@ def gsm_task():
         start=T.START,
         end=T.END,
         score=score,
-        make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES, GSM_KIND),
+        make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES, kind),
         modes=("unconstrained", "constrained", "cot", "crane"),
     )
 
@@ -78,9 +80,10 @@ def folio_task():
     )
 
 
-def ensure_model(task: str, models_dir: str, steps: int = 0) -> str:
-    """The workdir of the task model, trained with configs/crane/<task>.py when missing."""
-    workdir = os.path.join(models_dir, task)
+def ensure_model(task: str, models_dir: str, steps: int = 0, kind: str = "") -> str:
+    """The workdir of the task model, trained with configs/crane/<task>.py when missing (``kind``:
+    the GSM problem kind, a model of its own in ``<models_dir>/gsm_<kind>``)."""
+    workdir = os.path.join(models_dir, task + (f"_{kind}" if kind and kind != "steps" else ""))
     if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(
         os.path.join(workdir, "checkpoints")
     ):
@@ -97,7 +100,8 @@ def ensure_model(task: str, models_dir: str, steps: int = 0) -> str:
         "pallasite.cli",
         "train",
         "--config",
-        cfg + (f":steps={steps}" if steps else ""),
+        cfg + (":" + ",".join(a for a in (f"steps={steps}" if steps else "", f"kind={kind}" if kind else "") if a)
+               if steps or kind else ""),
         "--workdir",
         workdir,
     ]
@@ -339,6 +343,13 @@ def main(argv=None):
     ap.add_argument(
         "--json-schema", action="store_true", help="only the SmolLM2 tool-call JSON example"
     )
+    ap.add_argument(
+        "--gsm-kind",
+        default="",
+        choices=("", "steps", "relations"),
+        help="GSM problems: steps (default; one person, operations in order) or relations "
+        "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations)",
+    )
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument(
         "--masking",
@@ -385,8 +396,8 @@ def main(argv=None):
     tasks = a.tasks.split(",") if a.tasks else (["gsm"] if a.quick else ["gsm", "folio"])
     summary = {"n": n, "seed": a.seed}
     for name in tasks:
-        task = gsm_task() if name == "gsm" else folio_task()
-        model = pallasite.load(ensure_model(name, a.models))
+        task = gsm_task(a.gsm_kind) if name == "gsm" else folio_task()
+        model = pallasite.load(ensure_model(name, a.models, kind=a.gsm_kind if name == "gsm" else ""))
         rows = run_task(
             task,
             model,

@@ -7,19 +7,22 @@ folder), deterministically (``eval.tasks.traces``), so the config is all a run n
 import os
 import tempfile
 
-from pallasite.eval.tasks import traces
+from pallasite.errors import ConfigError
+from pallasite.eval.tasks import gsm_symbolic, traces
 from pallasite.training.config import parse_arg, train_defaults
 
 
 def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
-    arg = parse_arg(arg, data="", n=n_problems, steps=steps, cpu=False)
+    arg = parse_arg(arg, data="", n=n_problems, steps=steps, cpu=False, kind=traces.GSM_KIND)
+    if task == "gsm" and arg.kind not in gsm_symbolic.KINDS:
+        raise ConfigError(f"config arg kind={arg.kind!r}; expected one of {gsm_symbolic.KINDS}")
     root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(
         tempfile.gettempdir(), "pallasite_crane"
     )
-    suffix = f"_{traces.GSM_KIND}" if task == "gsm" else ""
+    suffix = f"_{arg.kind}" if task == "gsm" else ""
     path = arg.data or os.path.join(root, f"{task}_train_{arg.n}{suffix}.jsonl")
     if not os.path.exists(path):
-        traces.write(task, path, arg.n)
+        traces.write(task, path, arg.n, kind=arg.kind)
     c = train_defaults()
     c.seed = 0
     c.model = dict(

@@ -1,8 +1,11 @@
 """CRANE, GSM-Symbolic-style task: a ~0.5M-parameter model on 4000 problems x (direct, CoT) traces.
 
-    pallasite train --config configs/crane/gsm.py --workdir /tmp/crane_gsm        # ~25 min on 2 busy cores
+    pallasite train --config configs/crane/gsm.py --workdir /tmp/crane_gsm
+    pallasite train --config configs/crane/gsm.py:kind=relations,steps=1500 --workdir /tmp/crane_gsm_relations \
+        --config.model.d_model=128 --config.model.d_ff=384      # the multi-hop variant, docs/constrained.md
 
-``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``, ``cpu`` (smoke).
+``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``, ``kind=steps|relations``
+(``eval.tasks.gsm_symbolic.make_problems``), ``cpu`` (smoke).
 """
 
 from pallasite.configs.crane.common import task_config

@@ -19,15 +19,16 @@ TRAIN_SEED = 1
 EVAL_SEED = 1_000_003
 
 
-# the trained GSM model's problems: shuffled multi-hop chains of people (gsm_symbolic.make_problems)
-GSM_KIND, GSM_NAMES = "relations", "positional"
+# the trained GSM models' problems (gsm_symbolic.make_problems): positional variable names, and
+# kind "steps" (one person's operations in order) by default or "relations" (shuffled multi-hop chains)
+GSM_KIND, GSM_NAMES = "steps", "positional"
 
 
-def texts(task: str, n: int, seed: int = TRAIN_SEED) -> list:
+def texts(task: str, n: int, seed: int = TRAIN_SEED, kind: str = GSM_KIND) -> list:
     if task == "gsm":
         return [
             gsm_symbolic.training_text(p, cot)
-            for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES, GSM_KIND)
+            for p in gsm_symbolic.make_problems(n, seed, GSM_NAMES, kind)
             for cot in (False, True)
         ]
     if task == "folio":
@@ -35,11 +36,11 @@ def texts(task: str, n: int, seed: int = TRAIN_SEED) -> list:
     raise ValueError(f"task {task!r}; expected gsm | folio")
 
 
-def write(task: str, path: str, n: int, seed: int = TRAIN_SEED) -> str:
+def write(task: str, path: str, n: int, seed: int = TRAIN_SEED, kind: str = GSM_KIND) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        for t in texts(task, n, seed):
+        for t in texts(task, n, seed, kind):
             f.write(json.dumps({"text": t}) + "\n")
     os.replace(tmp, path)
     return path
@@ -51,8 +52,9 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=TRAIN_SEED)
+    ap.add_argument("--kind", default=GSM_KIND, choices=gsm_symbolic.KINDS, help="GSM problem kind")
     a = ap.parse_args(argv)
-    print(write(a.task, a.out, a.n, a.seed))
+    print(write(a.task, a.out, a.n, a.seed, a.kind))
 
 
 if __name__ == "__main__":
