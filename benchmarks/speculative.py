@@ -155,8 +155,8 @@ def bench_batch(target, drafter, prompts, args, methods):
     base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=())
     d = Drafter.of(drafter, target=target)
 
-    def run_base():
-        return E.generate_ids(g, st, cfg, prompts, base_gen)
+    def run_base():  # model=: a cache kind's files (e.g. kv4 transforms) resolve against the model folder
+        return E.generate_ids(g, st, cfg, prompts, base_gen, model=target)
 
     def make_spec(method):
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
@@ -164,7 +164,8 @@ def bench_batch(target, drafter, prompts, args, methods):
         strategy, sargs = build_speculative(gen, len(prompts))
 
         def run():
-            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
+            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
+                             model=target)
             return E.results(s), stats_of(s)
         return run
 
