@@ -9,8 +9,9 @@ Rows (``--rows``): ``bf16`` (float linears, bf16 compute), ``fp4`` (W4A4, DGE, O
 ``fp4_direct`` (W4A4, straight-through, no OCC), ``w4a8_dge`` (FP8 activations, DGE only),
 ``w8a4_occ`` (FP8 weights, OCC only), ``fp4_pow2`` (``fp4`` with the released code's
 power-of-two scale), ``w8a8`` (a control: FP8 E4M3 operands, no OCC, must track bf16),
-``bf16_lr2x`` / ``bf16_lr4x`` (bf16 at 2x / 4x the peak learning rate: is the baseline's lr the
-reason DGE rows end lower?).
+``bf16_lr05x`` / ``bf16_lr2x`` / ``bf16_lr4x`` (bf16 at 0.5x / 2x / 4x the peak learning rate), and
+any row at X times the peak lr as ``ROW@lrX`` (``fp4@lr0.5``): is the baseline's lr the reason DGE
+rows end lower?
 Every row uses bf16 compute outside the linears and the same AdamW, schedule,
 data order (seeded per seed) and initialisation (same seed -> same initial weights). Headline rows
 (bf16, fp4) run every seed of ``--seeds``, the others ``--ablation-seeds``. The data is the local
@@ -60,13 +61,37 @@ ROWS: dict[str, Optional[FP4Config]] = {
     "w8a4_occ": FP4Config(w_bits=8, w_grad="ste"),
     "fp4_pow2": FP4Config(scale="pow2"),
     "w8a8": FP8_CONTROL,
+    "bf16_lr05x": None,
     "bf16_lr2x": None,
     "bf16_lr4x": None,
 }
 HEADLINE = ("bf16", "fp4")
 # controls for "is DGE's lead a learning-rate effect?": bf16 with the peak lr scaled (AdamW, so a
 # gradient rescaling alone would cancel; DGE's f' varies per element, which a global lr does not)
-LR_SCALE = {"bf16_lr2x": 2.0, "bf16_lr4x": 4.0}
+LR_SCALE = {"bf16_lr05x": 0.5, "bf16_lr2x": 2.0, "bf16_lr4x": 4.0}
+
+
+def parse_row(name: str) -> tuple[Optional[FP4Config], float]:
+    """A row name -> (its FP4 config or None for bf16, the peak-lr factor). ``ROW@lrX`` is any row at
+    X times the peak lr (``fp4@lr0.5``): every row at its own best lr is the fair comparison."""
+    base, sep, factor = name.partition("@lr")
+    if base not in ROWS:
+        raise KeyError(name)
+    try:
+        scale = float(factor) if sep else LR_SCALE.get(base, 1.0)
+    except ValueError:
+        raise KeyError(name) from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise KeyError(name)
+    return ROWS[base], scale
+
+
+def _known_row(name: str) -> bool:
+    try:
+        parse_row(name)
+        return True
+    except KeyError:
+        return False
 SIZES = {  # model, data and schedule per size
     "quick": dict(
         d_model=128,
@@ -392,9 +417,9 @@ def main(argv=None) -> dict:
         if args.rows in (None, "all")
         else args.rows.split(",")
     )
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in rows if not _known_row(r)]
     if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; known: {list(ROWS)}")
+        raise SystemExit(f"--rows: unknown {unknown}; known: {list(ROWS)}, each optionally ROW@lrX (X > 0)")
     seeds = [int(s) for s in args.seeds.split(",")]
     ablation_seeds = (
         [int(s) for s in args.ablation_seeds.split(",")] if args.ablation_seeds else seeds[:1]
@@ -415,10 +440,10 @@ def main(argv=None) -> dict:
             else:
                 t0 = time.time()
                 r = train_row(
-                    model_config(size, vocab, ROWS[name]),
+                    model_config(size, vocab, parse_row(name)[0]),
                     train_tok,
                     evals,
-                    dict(size, lr=size["lr"] * LR_SCALE.get(name, 1.0)),
+                    dict(size, lr=size["lr"] * parse_row(name)[1]),
                     seed,
                     size["steps"],
                 )

@@ -253,3 +253,18 @@ def test_benchmark_quick_path_reports_the_gaps_and_fp4_beats_direct(capsys):
     assert last["loss_fp4"] < last["loss_fp4_direct"]
     np.testing.assert_allclose(last["loss_gap_fp4_vs_bf16"], last["loss_fp4"] - last["loss_bf16"])
     assert last["quant_overhead_per_gemm"] > 0
+
+
+def test_benchmark_row_names_with_an_lr_factor():
+    """``ROW@lrX`` runs any row at X times the peak lr (the fair baseline is each row at its best lr);
+    a factor that is not a positive number, or an unknown row, is refused."""
+    from pallasite.benchmarks import fp4 as bench
+
+    assert bench.parse_row("fp4@lr0.5") == (bench.ROWS["fp4"], 0.5)
+    assert bench.parse_row("bf16") == (None, 1.0) and bench.parse_row("bf16_lr2x") == (None, 2.0)
+    assert bench.parse_row("fp4_direct@lr0.25")[0].w_grad == "ste"
+    for bad in ("fp4@lr0", "fp4@lrx", "fp4@lr-1", "nope@lr2", "nope"):
+        with pytest.raises(KeyError):
+            bench.parse_row(bad)
+    with pytest.raises(SystemExit, match="ROW@lrX"):
+        bench.main(["--rows", "bf16,fp4@lrx", "--steps", "1"])
