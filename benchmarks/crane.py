@@ -94,14 +94,14 @@ def ensure_model(task: str, models_dir: str, steps: int = 0, kind: str = "") -> 
         "crane",
         f"{task}.py",
     )
+    cfg_args = [a for a in (f"steps={steps}" if steps else "", f"kind={kind}" if kind else "") if a]
     cmd = [
         sys.executable,
         "-m",
         "pallasite.cli",
         "train",
         "--config",
-        cfg + (":" + ",".join(a for a in (f"steps={steps}" if steps else "", f"kind={kind}" if kind else "") if a)
-               if steps or kind else ""),
+        cfg + (":" + ",".join(cfg_args) if cfg_args else ""),
         "--workdir",
         workdir,
     ]

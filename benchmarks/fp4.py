@@ -92,6 +92,8 @@ def _known_row(name: str) -> bool:
         return True
     except KeyError:
         return False
+
+
 SIZES = {  # model, data and schedule per size
     "quick": dict(
         d_model=128,

@@ -8,7 +8,8 @@ a nested expression; the chain-of-thought trace writes one ``<< ... >>`` span pe
 extending the previous one, and ends "The final answer is << ... >>." (the paper's format).
 Variable names are drawn per problem (``names="random"``), or are a, b, c, ... in order
 (``"positional"``: the answer depends on the operations alone; what a 0.5M-parameter model
-trained for minutes can learn).
+trained for minutes can learn). ``make_problems(kind="relations")`` builds multi-hop problems
+instead: a chain of people, each count defined from the previous person's, told in shuffled order.
 
 ``equivalent(a, b, types)`` decides expression equivalence with z3 over positive integers (``//``
 is floor division, ``%`` its remainder, ``int()`` truncation, as in CRANE's checker), falling back
@@ -173,7 +174,7 @@ def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> P
     """A multi-hop problem: a chain of people, each person's count defined from the previous
     one's, told in shuffled order, asking the last person's count. Variables are a, b, c, ... in
     order of appearance in the question, so neither the sentence order nor the names give the
-    chain away: the chain of thought resolves it one hop per sentence ("Mia has << a + c >>"),
+    chain away: the chain of thought resolves it one hop per sentence ("Mia has <<a + c>> pens."),
     the direct answer has to follow every hop before writing the first variable."""
     hops = n_hops if n_hops is not None else rng.randint(2, 4)
     people, item = rng.sample(NAMES, hops + 1), rng.choice(ITEMS)
