@@ -66,8 +66,8 @@ ROWS: dict[str, Optional[FP4Config]] = {
     "bf16_lr4x": None,
 }
 HEADLINE = ("bf16", "fp4")
-# controls for "is DGE's lead a learning-rate effect?": bf16 with the peak lr scaled (AdamW, so a
-# gradient rescaling alone would cancel; DGE's f' varies per element, which a global lr does not)
+# controls for "is DGE's lead a learning-rate effect?": bf16 with the peak lr scaled (docs/fp4.md: at
+# the full size part of it is, since 3e-3 is too high for bf16; ROW@lrX tunes any row the same way)
 LR_SCALE = {"bf16_lr05x": 0.5, "bf16_lr2x": 2.0, "bf16_lr4x": 4.0}
 
 

@@ -1,7 +1,10 @@
 """The CRANE tasks: z3 equivalence (floor //, counterexamples, the random fallback), FOLIO labels by
 z3, and the answer grammars accepting every gold answer / program (and rejecting what they must)."""
 
+import ast
+import fractions
 import random
+import re
 
 from pallasite.eval.tasks import folio, traces
 from pallasite.eval.tasks import gsm_symbolic as G
@@ -53,8 +56,6 @@ def test_generated_gsm_problems_grammar_and_traces():
 
 def _solve_relations(question: str, values: dict) -> int:
     """An independent reader of a relation problem: resolve the shuffled sentences by name."""
-    import re
-
     have, pending = {}, [s for s in re.split(r"(?<=[.?]) ", question) if not s.startswith("How")]
     asked = re.search(r"does (\w+) have", question).group(1)
     rules = [
@@ -85,10 +86,6 @@ def _solve_relations(question: str, values: dict) -> int:
 
 
 def test_relation_problems_are_shuffled_multi_hop_chains_the_gold_answer_solves():
-    import ast
-    import fractions
-    import re
-
     problems = G.make_problems(60, 3, kind="relations")
     rng = random.Random(1)
     root_first = 0
