@@ -54,7 +54,7 @@ class GenerationConfig:
             from pallasite.inference.constrained.constraint import normalize
 
             object.__setattr__(self, "constraint", normalize(self.constraint))
-            if self.strategy == "sample":  # the default strategy ignores masks: use the one that applies them
+            if self.strategy == "sample" and self.drafter is None:  # the default ignores masks: use one that applies them
                 object.__setattr__(self, "strategy", "constrained")
         if self.drafter is not None or self.method is not None:
             from pallasite.inference.speculative.options import check_method
@@ -62,10 +62,7 @@ class GenerationConfig:
             if self.drafter is None:
                 raise ValueError(f"GenerationConfig.method={self.method!r} needs a drafter (drafter=<a model>)")
             check_method(self.method or "auto")
-            if self.constraint is not None:
-                raise ValueError("GenerationConfig: a drafter (speculative decoding) together with a constraint is "
-                                 "not composed yet; drop one of them")
-            if self.strategy == "sample":  # a drafter selects the speculative strategy
+            if self.strategy == "sample":  # a drafter selects the speculative strategy (it applies constraints too)
                 object.__setattr__(self, "strategy", "speculative")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InputError(f"GenerationConfig.max_new_tokens must be an integer >= 1; got {self.max_new_tokens!r}")

@@ -125,6 +125,8 @@ class CompiledConstraint:
             self.span_grammar = span_grammar(self.grammar)
         else:
             self.span_grammar = self.grammar
+        if self.start is not None:
+            _check_span_start(self, name or constraint.kind)
         self.bad_straddlers: dict = {}  # free-text tail key -> token ids whose S-straddle fails
         self._candidates: dict = {}
         self.ids_with_start = (
@@ -141,6 +143,20 @@ class CompiledConstraint:
                 np.unique(np.concatenate(parts)) if parts else self.ids_with_start
             )
         return self._candidates[key]
+
+
+def _check_span_start(c: CompiledConstraint, what: str) -> None:
+    """A span's matcher is seeded with the start delimiter (CRANE's grammars begin with ``<<``):
+    a grammar that rejects it could never open a span, so say so now rather than at every span."""
+    import llguidance
+
+    ids = c.vocab.encode_bytes(c.start)
+    if llguidance.LLMatcher(c.vocab.ll, c.span_grammar, log_level=0).validate_tokens(ids) != len(ids):
+        raise ConstraintError(
+            f"constraint {what!r}: a span grammar must begin with its start delimiter "
+            f"{c.start.decode(errors='replace')!r} (each span is parsed from the delimiter on, as "
+            "CRANE's grammars begin with '<<'); this grammar rejects it"
+        )
 
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

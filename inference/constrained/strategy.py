@@ -14,7 +14,8 @@ int32 bitmasks ``[B, ceil(V/32)]`` and are unpacked on the device.
   only tokens < t) is computed on a host thread while the device runs step t's forward pass.
 
 ``draft_masks(session, s, draft_BK)`` gives a speculative strategy the masks at the current and
-each draft position (bonus position last). A constraint with the default strategy ``sample``
+each draft position (bonus position last); ``draft_allowed`` unpacks them (the speculative
+strategy's constraint hook). A constraint with the default strategy ``sample``
 selects this strategy (``GenerationConfig``); any strategy may call these helpers instead.
 """
 
@@ -55,12 +56,15 @@ def words_for(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def unpack_bitmask(words_W: jax.Array, vocab_size: int) -> jax.Array:
+    """Packed masks ``[..., W]`` -> allowed ``[..., V]`` (bit i % 32 of word i // 32 is token i)."""
+    bits = (words_W[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [..., W, 32]
+    return bits.reshape(*words_W.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
 def apply_bitmask(logits_BV: jax.Array, words_BW: jax.Array) -> jax.Array:
-    """-inf where the packed mask's bit is 0 (bit i % 32 of word i // 32 is token i)."""
-    B, V = logits_BV.shape
-    bits = (words_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
-    allowed = bits.reshape(B, -1)[:, :V].astype(bool)
-    return jnp.where(allowed, logits_BV, MASKED)
+    """The masked value where the packed mask's bit is 0."""
+    return jnp.where(unpack_bitmask(words_BW, logits_BV.shape[-1]), logits_BV, MASKED)
 
 
 # ----------------------------------------------------------------------------- callbacks
@@ -122,6 +126,14 @@ def draft_masks(session, s, draft_BK: jax.Array, vocab_size: int) -> jax.Array:
         s.done_B,
         draft_BK.astype(jnp.int32),
     )
+
+
+def draft_allowed(session, s, draft_BK: jax.Array, vocab_size: int) -> jax.Array:
+    """Allowed tokens ``[B, K+1, V]`` at the next position and after each draft prefix. Positions
+    behind an invalid draft token (where ``draft_masks`` allows nothing) allow everything: a
+    verifier never uses them, and a row of -inf logits would turn its softmax into NaN."""
+    allowed = unpack_bitmask(draft_masks(session, s, draft_BK, vocab_size), vocab_size)
+    return allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
 
 
 # ----------------------------------------------------------------------------- strategy
@@ -208,21 +220,27 @@ class ConstrainedStrategy:
         return ctx.emit(s, tok_B[:, None], jnp.ones_like(tok_B))
 
 
-def build_constrained(gen: GenerationConfig, n_prompts: int):
-    """(strategy, args) for ``gen``: a ``ConstrainedStrategy`` over a new host session, or plain
-    sampling when no prompt has a constraint."""
-    sampling, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
-    cfg = gen.strategy_config or ConstrainedConfig()
+def constraint_session(gen: GenerationConfig, n_prompts: int, threads=None):
+    """The host session of ``gen.constraint`` (one row per prompt), or None when no row has one."""
     rows = per_row(gen.constraint, n_prompts)
     if all(c is None for c in rows):
-        return SamplingStrategy(spec=spec, processors=tuple(gen.logits_processors)), sampling
-    stops = gen.stop_tokens if gen.stop_tokens else None
+        return None
     if gen.stop_tokens == ():
         raise ValueError(
             "a constrained generation needs a stop token (the grammar's end); "
             "stop_tokens=() leaves none"
         )
-    session = HostSession(rows, stops, threads=cfg.threads or None)
+    return HostSession(rows, gen.stop_tokens if gen.stop_tokens else None, threads=threads)
+
+
+def build_constrained(gen: GenerationConfig, n_prompts: int):
+    """(strategy, args) for ``gen``: a ``ConstrainedStrategy`` over a new host session, or plain
+    sampling when no prompt has a constraint."""
+    sampling, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
+    cfg = gen.strategy_config or ConstrainedConfig()
+    session = constraint_session(gen, n_prompts, threads=cfg.threads or None)
+    if session is None:
+        return SamplingStrategy(spec=spec, processors=tuple(gen.logits_processors)), sampling
     strategy = ConstrainedStrategy(
         spec=spec,
         processors=tuple(gen.logits_processors),
@@ -246,8 +264,11 @@ __all__ = [
     "ConstrainedStrategy",
     "build_constrained",
     "apply_bitmask",
+    "unpack_bitmask",
     "host_masks",
     "draft_masks",
+    "draft_allowed",
+    "constraint_session",
     "session_of",
     "words_for",
 ]

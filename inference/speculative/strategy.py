@@ -12,6 +12,10 @@ text is re-tokenised for the target on the host (``host.py``) and the target's o
 exactly (greedy and sampling); ``slrs`` (Alg. 3) is refused (not built, see docs). ``auto`` =
 sd for a shared vocabulary, else slem when greedy and tli when sampling (transformers' routing).
 Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap.
+A constraint (grammar, JSON schema, regex, CRANE spans: ``inference/constrained``) masks the
+target's distribution at the next position and after each draft prefix (host masks per row,
+``target_mask``), so the output is distributed as constrained target-only decoding (token-identical
+under greedy); the drafter drafts unconstrained, and invalid drafts are rejected by the verifier.
 Deviations: K defaults to 5 (transformers: 20, schedule constant); a row whose drafter buffers
 would overflow stops drafting (it decodes one target token per round); no logits processors.
 """
@@ -73,6 +77,7 @@ class SpecArgs:
     t2d: jax.Array  # [V_T, L] int32 drafter tokens of each target token
     t2d_len: jax.Array  # [V_T] int32
     session: jax.Array  # int32 scalar, the SLEM host session (0: none)
+    constraint: jax.Array  # int32 scalar, the constrained-decoding host session (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +96,7 @@ class SpeculativeStrategy:
     len_ratio: float = 2.0
     pair: Optional[PairMap] = None
     drafter_path: Optional[str] = None
-    target_mask: Any = None  # hook: (ctx, s, tokens_BK) -> allowed [B, K+1, V] after each prefix
+    target_mask: Any = None  # hook: (ctx, s, tokens_BK, V) -> allowed [B, K+1, V] after each prefix
     fault: str = ""
 
     # ------------------------------------------------------------------ shapes
@@ -112,7 +117,7 @@ class SpeculativeStrategy:
     def _target_probs(self, ctx, s, logits_BTV, tokens_BK):
         """Post-warper target distributions [B, T, V] after the hook's masks (constraints)."""
         if self.target_mask is not None:
-            allowed = self.target_mask(ctx, s, tokens_BK)
+            allowed = self.target_mask(ctx, s, tokens_BK, logits_BTV.shape[-1])
             logits_BTV = jnp.where(allowed, logits_BTV, -jnp.inf)
         return P.warped_probs(logits_BTV, ctx.args.sampling, self.spec)
 
@@ -384,6 +389,14 @@ def _cb_slem_propose(sid, drafts_BK, k_B, fed, done_B):
     return get_session(sid).propose(np.asarray(drafts_BK), np.asarray(k_B), int(fed), np.asarray(done_B))
 
 
+def constraint_mask(ctx, s, tokens_BK, vocab_size: int):
+    """The ``target_mask`` hook of a constrained generation: the grammar's allowed target tokens at
+    the next position and after each draft prefix, from the host session in ``args.constraint``."""
+    from pallasite.inference.constrained.strategy import draft_allowed
+
+    return draft_allowed(ctx.args.constraint, s, tokens_BK, vocab_size)
+
+
 # ----------------------------------------------------------------------------- building
 def _same_vocab(target_tok, drafter_tok) -> bool:
     if target_tok is None or drafter_tok is None:
@@ -447,15 +460,18 @@ def build_speculative(gen, n_prompts: int):
         sess = SlemSession(pair, target_lookbehind=cfg.target_lookbehind, drafter_lookbehind=cfg.drafter_lookbehind,
                            max_feed=cfg.max_catch_up, width=cfg.target_width, stops=tuple(stops or ()))
         session = sess.id
+    from pallasite.inference.constrained.strategy import constraint_session
+
+    constrained = constraint_session(gen, n_prompts)
     strategy = SpeculativeStrategy(
         method=method, drafter_graphdef=drafter.graphdef, drafter_config=drafter.config,
         drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
         schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
         len_ratio=float(cfg.drafter_len_ratio),
-        pair=pair, drafter_path=drafter.path)
+        pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask)
     args = SpecArgs(sampling=sampling, drafter_state=drafter.state, d2t=jnp.asarray(d2t, jnp.int32),
                     t2d=jnp.asarray(t2d, jnp.int32), t2d_len=jnp.asarray(t2d_len, jnp.int32),
-                    session=jnp.int32(session))
+                    session=jnp.int32(session), constraint=jnp.int32(0 if constrained is None else constrained.id))
     return strategy, args
 
 

@@ -130,6 +130,9 @@ def test_kinds_compile_and_failures_name_the_grammar_and_the_engine_message():
         HostSession(
             [Constraint("lark", 'start: "<<" expr ">>"', name="answer.lark", tokenizer=VOCAB)]
         )
+    with pytest.raises(ConstraintError, match=r"'ab\+'.*must begin with its start delimiter '<<'"):
+        HostSession([Constraint("regex", r"[ab]+>>", name="ab+", start="<<", end=">>", tokenizer=VOCAB)])
+    HostSession([Constraint("regex", r"<<[ab]+>>", start="<<", end=">>", tokenizer=VOCAB)])
     with pytest.raises(ConstraintError, match="json_schema constraint 'tool'.*must be JSON"):
         HostSession([Constraint("json_schema", "{not json", name="tool", tokenizer=VOCAB)])
     with pytest.raises(UnknownKindError, match="known: ebnf, json_schema, lark, regex"):
