@@ -54,7 +54,7 @@ class GenerationConfig:
             from pallasite.inference.constrained.constraint import normalize
 
             object.__setattr__(self, "constraint", normalize(self.constraint))
-            if self.strategy == "sample" and self.drafter is None:  # the default ignores masks: use one that applies them
+            if self.strategy == "sample" and self.drafter is None:  # the default ignores masks: use the masking one
                 object.__setattr__(self, "strategy", "constrained")
         if self.drafter is not None or self.method is not None:
             from pallasite.inference.speculative.options import check_method

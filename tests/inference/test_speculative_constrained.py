@@ -14,7 +14,6 @@ import re
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from pallasite.inference import engine as E
