@@ -65,6 +65,7 @@ def train_defaults() -> ConfigDict:
         decay_norms=False,
         decay_biases=False,
         decay_embeddings=False,
+        moments="float32",  # Adam moments: float32 | fp8 (E4M3 first, FP16 second, per-tensor scales)
     ))
     c.train = ConfigDict(dict(
         steps=100,

@@ -12,7 +12,8 @@ convention; optax's ``warmup_cosine_decay_schedule`` would start at exactly 0).
 Weight decay applies to matrices only by default: RMSNorm scales (parameter name ``scale``),
 biases (``bias``) and embedding tables (``embedding``) are excluded unless ``decay_norms`` /
 ``decay_biases`` / ``decay_embeddings`` say otherwise. Decay is decoupled (AdamW), multiplied by
-the scheduled lr as in optax.
+the scheduled lr as in optax. ``optim.moments="fp8"`` stores Adam's moments in FP8 / FP16
+(``optim_moments.py``, the FP8-LM mixed precision of FP4 training).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+
+from pallasite.errors import ConfigError
+from pallasite.training.optim_moments import MOMENT_FORMATS, adamw_low_precision
 
 
 def lr_schedule(lr: float, steps: int, warmup_steps: int, min_lr_ratio: float = 0.1):
@@ -69,8 +73,15 @@ def make_optimizer(optim_cfg, steps: int) -> tuple[optax.GradientTransformation,
     parts = []
     if optim_cfg.clip_norm and optim_cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
-    parts.append(optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, mask=mask))
+    moments = str(optim_cfg.get("moments", "float32"))
+    if moments == "float32":
+        parts.append(optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                                 weight_decay=optim_cfg.weight_decay, mask=mask))
+    elif moments in MOMENT_FORMATS:  # FP8-LM's FP8 first / FP16 second moment (optim_moments.py)
+        parts.append(adamw_low_precision(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                                         weight_decay=optim_cfg.weight_decay, mask=mask, moments=moments))
+    else:
+        raise ConfigError(f"optim.moments={moments!r}; expected one of {['float32', *sorted(MOMENT_FORMATS)]}")
     return optax.chain(*parts), schedule
 
 

@@ -140,3 +140,19 @@ def test_a_constraint_without_a_stop_token_is_refused_with_a_drafter(models):
                            drafter=_drafter(models, "tli"), method="tli")
     with pytest.raises(ValueError, match="needs a stop token"):
         build_speculative(gen, 2)
+
+
+def test_pallasite_generate_with_a_drafter_and_a_grammar(models, prompts):
+    """The user-facing path: ``pallasite.generate(target, texts, drafter=..., regex=...)`` binds both
+    tokenizers and returns the constrained target's own greedy text."""
+    import pallasite
+
+    (tc, tg, ts, ttok), (dc, dg, ds, dtok) = models
+    target = pallasite.Model(tc, ts, tokenizer=ttok, graphdef=tg)
+    drafter = pallasite.Model(dc, ds, tokenizer=dtok, graphdef=dg)
+    texts = [ttok.decode(p) for p in prompts[:8]]
+    opts = dict(max_new_tokens=N_NEW, stop_tokens=(F.EOS,), regex=REGEX)
+    want = pallasite.generate(target, texts, **opts)
+    got = pallasite.generate(target, texts, drafter=drafter, **opts)
+    assert got == want
+    assert all(re.fullmatch(REGEX, t) for t in want if t.endswith(".")) and sum(t.endswith(".") for t in want) >= 4
