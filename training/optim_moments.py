@@ -38,7 +38,8 @@ def scale_for(x: jax.Array, dtype) -> jax.Array:
     so ``x / scale`` is exact and only the cast rounds; ``amax / scale <= FMT_MAX``."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
     exp = jnp.floor(jnp.log2(FMT_MAX[jnp.dtype(dtype)] / jnp.where(amax > 0, amax, 1.0)))
-    return jnp.where(amax > 0, jnp.exp2(-exp), 1.0).astype(jnp.float32)
+    # ldexp, not exp2: XLA:CPU's exp2 of an integer is not always the exact power of two
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), (-exp).astype(jnp.int32)), 1.0).astype(jnp.float32)
 
 
 def store(x: jax.Array, dtype) -> ScaledTensor:
