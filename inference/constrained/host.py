@@ -177,21 +177,22 @@ class HostSession:
         return words
 
     # ------------------------------------------------------------------ speculative decoding
-    def draft_masks(self, out_BN, n_out_B, done_B, draft_BK, words_per_row: int) -> np.ndarray:
-        """[B, K+1, W]: the mask at the current position and after each draft prefix (the bonus
-        position last). After the first invalid draft token the remaining masks allow nothing."""
+    def _walk_drafts(self, out_BN, n_out_B, done_B, draft_BK, upto: int, words_per_row: int, at):
+        """Masks of forked rows after consuming each draft prefix of length in ``at`` (<= upto):
+        {k: [B, W]}; rows whose draft turned invalid before k allow nothing at k."""
         self.sync(out_BN, n_out_B)
-        B, K = draft_BK.shape
-        out = np.full((B, K + 1, words_per_row), -1, np.int32)
+        B = draft_BK.shape[0]
+        got = {}
         saved = self.rows
         try:
             forks = [None if r is None else r.fork() for r in saved]
             self.rows = forks
             alive = np.ones(B, bool)
-            for k in range(K + 1):
-                out[:, k] = self.masks(words_per_row, np.asarray(done_B) | ~alive)
-                out[~alive, k] = 0
-                if k == K:
+            for k in range(upto + 1):
+                if k in at:
+                    got[k] = self.masks(words_per_row, np.asarray(done_B) | ~alive)
+                    got[k][~alive] = 0
+                if k == upto:
                     break
                 for i, r in enumerate(forks):
                     if r is None or not alive[i]:
@@ -203,7 +204,19 @@ class HostSession:
                         alive[i] = False
         finally:
             self.rows = saved
-        return out
+        return got
+
+    def draft_masks(self, out_BN, n_out_B, done_B, draft_BK, words_per_row: int) -> np.ndarray:
+        """[B, K+1, W]: the mask at the current position and after each draft prefix (the bonus
+        position last). After the first invalid draft token the remaining masks allow nothing."""
+        K = draft_BK.shape[1]
+        got = self._walk_drafts(out_BN, n_out_B, done_B, draft_BK, K, words_per_row, range(K + 1))
+        return np.stack([got[k] for k in range(K + 1)], axis=1)
+
+    def prefix_mask(self, out_BN, n_out_B, done_B, draft_BK, j: int, words_per_row: int) -> np.ndarray:
+        """[B, W]: the mask after the first ``j`` draft tokens (what the drafter may draft next)."""
+        j = int(j)
+        return self._walk_drafts(out_BN, n_out_B, done_B, draft_BK, j, words_per_row, (j,))[j]
 
     def close(self) -> None:
         if self._pool is not None:

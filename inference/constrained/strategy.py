@@ -101,6 +101,12 @@ def _host_draft(sid, out_BN, n_out_B, done_B, draft_BK, *, words):
     )
 
 
+def _host_prefix(sid, out_BN, n_out_B, done_B, draft_BK, j, *, words):
+    return get_session(sid).prefix_mask(
+        np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), np.asarray(draft_BK), int(j), words
+    )
+
+
 def _words_struct(B, W):
     return jax.ShapeDtypeStruct((B, W), jnp.int32)
 
@@ -126,6 +132,16 @@ def draft_masks(session, s, draft_BK: jax.Array, vocab_size: int) -> jax.Array:
         s.done_B,
         draft_BK.astype(jnp.int32),
     )
+
+
+def prefix_allowed(session, s, draft_BK: jax.Array, j: jax.Array, vocab_size: int) -> jax.Array:
+    """Allowed tokens ``[B, V]`` after the first ``j`` (traced) tokens of ``draft_BK``: what a
+    drafter may propose at draft step ``j``."""
+    B, W = draft_BK.shape[0], words_for(vocab_size)
+    fn = functools.partial(_host_prefix, words=W)
+    words = jax.pure_callback(fn, _words_struct(B, W), session, s.out_BN, s.n_out_B, s.done_B,
+                              draft_BK.astype(jnp.int32), jnp.asarray(j, jnp.int32))
+    return unpack_bitmask(words, vocab_size)
 
 
 def draft_allowed(session, s, draft_BK: jax.Array, vocab_size: int) -> jax.Array:
@@ -268,6 +284,7 @@ __all__ = [
     "host_masks",
     "draft_masks",
     "draft_allowed",
+    "prefix_allowed",
     "constraint_session",
     "session_of",
     "words_for",

@@ -34,6 +34,8 @@ class SpeculativeConfig:
     drafter_len_ratio  drafter tokens per target token the drafter's buffers are sized for
                        (prompt buffer and cache; a row that would overflow stops drafting)
     drafter_kv_cache   the drafter's cache kind (None: the drafter model's default) + its options
+    mask_drafts        with a constraint, sd / tli: the drafter drafts only what the grammar allows
+                       (one host call per draft step; False: unconstrained drafts, still lossless)
     """
 
     num_draft_tokens: int = 5
@@ -46,6 +48,7 @@ class SpeculativeConfig:
     drafter_len_ratio: float = 2.0
     drafter_kv_cache: Optional[str] = None
     drafter_kv_cache_config: Any = None
+    mask_drafts: bool = True
 
     def __post_init__(self):
         def need(ok, msg):
@@ -68,6 +71,7 @@ class SpeculativeConfig:
         if self.max_target_draft is not None:
             need(is_int(self.max_target_draft) and self.max_target_draft >= 1,
                  f"max_target_draft must be an integer >= 1 or None; got {self.max_target_draft!r}")
+        need(isinstance(self.mask_drafts, bool), f"mask_drafts must be True or False; got {self.mask_drafts!r}")
         need(isinstance(self.drafter_len_ratio, (int, float)) and self.drafter_len_ratio > 0,
              f"drafter_len_ratio must be > 0; got {self.drafter_len_ratio!r}")
 

@@ -15,7 +15,10 @@ Draft length: constant or the heuristic schedule (+2 / −1) per row under a sta
 A constraint (grammar, JSON schema, regex, CRANE spans: ``inference/constrained``) masks the
 target's distribution at the next position and after each draft prefix (host masks per row,
 ``target_mask``), so the output is distributed as constrained target-only decoding (token-identical
-under greedy); the drafter drafts unconstrained, and invalid drafts are rejected by the verifier.
+under greedy). With sd / tli the drafter's q is masked the same way at every draft step
+(``draft_mask``, ``mask_drafts=True``): q stays the distribution the drafts are drawn from, so the
+verification is unchanged and only acceptance rises. SLEM's drafter drafts unconstrained (its
+tokens are not the grammar's); invalid drafts are rejected by the verifier.
 Deviations: K defaults to 5 (transformers: 20, schedule constant); a row whose drafter buffers
 would overflow stops drafting (it decodes one target token per round); no logits processors.
 """
@@ -97,6 +100,7 @@ class SpeculativeStrategy:
     pair: Optional[PairMap] = None
     drafter_path: Optional[str] = None
     target_mask: Any = None  # hook: (ctx, s, tokens_BK, V) -> allowed [B, K+1, V] after each prefix
+    draft_mask: Any = None  # hook: (ctx, s, tokens_BK, j, V) -> allowed [B, V] after the first j drafts
     fault: str = ""
 
     # ------------------------------------------------------------------ shapes
@@ -201,14 +205,19 @@ class SpeculativeStrategy:
         last = jnp.maximum(sp.n_pend_B - 1, 0)
         return cache, sp.dlen_B + sp.n_pend_B, D.take_positions(logits, last)
 
-    def _draft(self, ctx, cache, dl_B, logits_BV, J, key, allowed_V=None, keep_q: bool = True):
+    def _draft(self, ctx, cache, dl_B, logits_BV, J, key, allowed_V=None, keep_q: bool = True, row_mask=None):
         """Draft J tokens per row (static buffers of K): (cache, drafts [B, K], verification q
-        [B, K, V_D] or None). Drafts 1..J-1 are fed to the drafter at dl, dl+1, ..."""
+        [B, K, V_D] or None). Drafts 1..J-1 are fed to the drafter at dl, dl+1, ...
+        ``row_mask(drafts_BK, j)`` -> allowed [B, V_D] narrows step j further (a constraint)."""
         B, V_D = logits_BV.shape
         K = self.k_max
         args = ctx.args
 
-        def dist(logits):
+        def dist(logits, allowed_BV=None):
+            if allowed_BV is not None:
+                ok = allowed_BV if allowed_V is None else allowed_BV & allowed_V[None, :]
+                ok = ok | ~jnp.any(ok, -1, keepdims=True)  # nothing draftable: the row drafts unconstrained
+                logits = jnp.where(ok, logits, -jnp.inf)
             masked = logits if allowed_V is None else jnp.where(allowed_V[None, :], logits, -jnp.inf)
             q = P.warped_probs(masked[:, None], args.sampling, self.spec)[:, 0]
             if self.fault == "no_renorm":  # q on the intersection without renormalising it
@@ -222,7 +231,7 @@ class SpeculativeStrategy:
         def body(c):
             j, cache, logits, drafts, qv, key = c
             key, sub = jax.random.split(key)
-            q, ver = dist(logits)
+            q, ver = dist(logits, None if row_mask is None else row_mask(drafts, j))
             d = P.draw(sub, q)
             drafts = drafts.at[:, j].set(d)
             if keep_q:
@@ -292,7 +301,15 @@ class SpeculativeStrategy:
         J = jnp.max(k_B)
         dcache, dl, logits0 = self._catch_up(ctx, sp)
         d2t = sp.d2t_V
-        dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0)
+        row_mask = None
+        if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
+            to_t = jnp.maximum(d2t, 0)
+            V_T = sp.t2d_VL.shape[0]
+
+            def row_mask(drafts_BK, j):
+                return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
+
+        dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask)
         cand = jnp.take(jnp.maximum(d2t, 0), drafts)
         logits, cache = self._verify_logits(ctx, s, cand)
         B, K, VT = cand.shape[0], self.k_max, logits.shape[-1]
@@ -397,6 +414,13 @@ def constraint_mask(ctx, s, tokens_BK, vocab_size: int):
     return draft_allowed(ctx.args.constraint, s, tokens_BK, vocab_size)
 
 
+def constraint_draft_mask(ctx, s, tokens_BK, j, vocab_size: int):
+    """The ``draft_mask`` hook: the allowed target tokens after the first ``j`` drafts."""
+    from pallasite.inference.constrained.strategy import prefix_allowed
+
+    return prefix_allowed(ctx.args.constraint, s, tokens_BK, j, vocab_size)
+
+
 # ----------------------------------------------------------------------------- building
 def _same_vocab(target_tok, drafter_tok) -> bool:
     if target_tok is None or drafter_tok is None:
@@ -468,7 +492,8 @@ def build_speculative(gen, n_prompts: int):
         drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
         schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
         len_ratio=float(cfg.drafter_len_ratio),
-        pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask)
+        pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask,
+        draft_mask=constraint_draft_mask if constrained is not None and cfg.mask_drafts and method != "slem" else None)
     args = SpecArgs(sampling=sampling, drafter_state=drafter.state, d2t=jnp.asarray(d2t, jnp.int32),
                     t2d=jnp.asarray(t2d, jnp.int32), t2d_len=jnp.asarray(t2d_len, jnp.int32),
                     session=jnp.int32(session), constraint=jnp.int32(0 if constrained is None else constrained.id))

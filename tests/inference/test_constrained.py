@@ -385,6 +385,8 @@ def test_draft_masks_are_the_masks_after_each_draft_prefix():
         assert (got[0, k] == want).all()
     assert (got[1, 2:] == 0).all()  # ")" after "<<" is invalid: nothing after it
     assert sess.rows[0].consumed == 0  # the session itself did not move
+    for j in range(4):  # what a drafter may draft at step j
+        assert (sess.prefix_mask(out, np.zeros(2, np.int32), np.zeros(2, bool), draft, j, W) == got[:, j]).all()
 
 
 def test_pallasite_generate_cli_flags_end_to_end(tmp_path, capsys):

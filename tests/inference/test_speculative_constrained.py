@@ -2,7 +2,8 @@
 
 The target's distribution is masked by the grammar at the next position and after each draft
 prefix (``SpeculativeStrategy.target_mask`` = ``speculative.strategy.constraint_mask``); the drafter
-drafts unconstrained. So greedy constrained speculative output must equal greedy constrained
+drafts only what the grammar allows (``draft_mask``; sd / tli) or unconstrained (slem, or
+``mask_drafts=False``). So greedy constrained speculative output must equal greedy constrained
 target-only output (the ``constrained`` strategy) token for token, for SD, TLI and SLEM, with a
 whole-output regex, a Lark grammar and CRANE-style spans, on the hand-built tokenizer pair of
 ``spec_fixtures.py``. Every terminated output is a sentence of its grammar, also when sampling.
@@ -120,6 +121,22 @@ def test_greedy_constrained_speculative_equals_constrained_target(models, prompt
         assert all(_text_ok(which, decode(ids)) for ids in ended)
     st = stats_of(s)
     assert st["accepted"] > 0 and st["target_calls"] < N_NEW, st  # drafts were accepted
+
+
+@pytest.mark.parametrize("method", ["sd", "tli"])
+def test_masked_drafts_raise_acceptance_and_keep_the_output(models, prompts, target_only, method):
+    """sd / tli draft only what the grammar allows (``mask_drafts``, the default): the same output,
+    and more drafts accepted than with unconstrained drafts."""
+    acc = {}
+    for mask in (False, True):
+        gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(F.EOS,), constraint=_constraint(models, "lark"),
+                               drafter=_drafter(models, method), method=method,
+                               strategy_config={"num_draft_tokens": 3, "mask_drafts": mask})
+        s = _decode(models, prompts, gen, build_speculative)
+        assert E.results(s) == target_only["lark"], mask
+        acc[mask] = stats_of(s)["acceptance_rate"]
+    # measured: sd 0.13 -> 0.56, tli 0.10 -> 0.85; masks one draft step stale: 0.37 / 0.33
+    assert acc[True] > max(0.5, acc[False] + 0.3), acc
 
 
 @pytest.mark.parametrize("method", ["tli", "slem"])
