@@ -44,7 +44,8 @@ from pallasite.inference.speculative.vocab import PairMap, check_drafter_can_enc
 from pallasite.ops.common import round_up
 from pallasite.registry import DECODE_STRATEGY
 
-FAULTS = ("", "no_renorm", "raw_q", "residual_intersection")  # deliberate breaks for negative controls
+# deliberate breaks for negative controls (unmasked_q: drafts from the grammar-masked q, ratio from the plain q)
+FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q")
 
 
 @struct.dataclass
@@ -214,6 +215,7 @@ class SpeculativeStrategy:
         args = ctx.args
 
         def dist(logits, allowed_BV=None):
+            plain = logits
             if allowed_BV is not None:
                 ok = allowed_BV if allowed_V is None else allowed_BV & allowed_V[None, :]
                 ok = ok | ~jnp.any(ok, -1, keepdims=True)  # nothing draftable: the row drafts unconstrained
@@ -224,6 +226,9 @@ class SpeculativeStrategy:
                 ver = P.warped_probs(logits[:, None], args.sampling, self.spec)[:, 0] * allowed_V[None, :]
             elif self.fault == "raw_q":  # ratio from the raw logits, draft from the processed ones
                 ver = P.warped_probs(masked[:, None], args.sampling, self.spec, filters=False)[:, 0]
+            elif self.fault == "unmasked_q":
+                plain = plain if allowed_V is None else jnp.where(allowed_V[None, :], plain, -jnp.inf)
+                ver = P.warped_probs(plain[:, None], args.sampling, self.spec)[:, 0]
             else:
                 ver = q
             return q, ver

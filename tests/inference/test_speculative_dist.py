@@ -89,13 +89,14 @@ def g_stat(counts, expected_p):
 
 
 def run_rows(pair, method, *, temperature, top_k=None, fault="", runs=RUNS, k=2, seed=0, n_new=N_NEW,
-             drafter=None, **cfg):
+             drafter=None, constraint=None, stop_tokens=(), **cfg):
     target, dr, ttok, dtok = pair
     tcfg, tg, tst = target
     dcfg, dg, dst = dr if drafter is None else drafter[:3]
     dtok = dtok if drafter is None else drafter[3]
     prompt = ttok.encode(PROMPT_TEXT)
-    gen = GenerationConfig(max_new_tokens=n_new, stop_tokens=(), temperature=temperature, top_k=top_k,
+    gen = GenerationConfig(max_new_tokens=n_new, stop_tokens=stop_tokens, temperature=temperature, top_k=top_k,
+                           constraint=constraint,
                            drafter=Drafter(dcfg, dg, dst, dtok, target_tokenizer=ttok), method=method,
                            strategy_config={"num_draft_tokens": k, **cfg})
     rows = min(runs, CHUNK)
@@ -156,6 +157,49 @@ def test_negative_controls_fail_the_g_test(pair, fault, temperature, top_k):
     g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
     print(f"negative control {fault}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
     assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+
+
+# three tokens can never finish this sentence, so every row makes 3 tokens; "." and newlines are
+# masked at every position (the drafters put mass on them), everything else is allowed
+CONSTRAINT_REGEX = r"[abc ]{8,}\."
+ALLOWED_CHARS = "abc "
+
+
+def _masked_exact(pair, prompt, temperature, top_k):
+    """The constrained target's exact 3-token distribution: logits outside the grammar's (here
+    fixed) allowed set at -inf before the sampling filters, as the constrained strategy does."""
+    target, _, ttok, _ = pair
+    V = target[0].vocab_size
+    ok = np.array([t != F.EOS and all(ch in ALLOWED_CHARS for ch in ttok.decode([t])) for t in range(V)])
+    cfg, g, st = target
+    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)], np.int32)
+    logits = np.where(ok, np.asarray(forward(g, st, jnp.asarray(seqs))[0]), -np.inf)
+    L = len(prompt)
+    p1 = _warp(logits[:1, L - 1], temperature, top_k)[0]
+    p2 = _warp(logits[::V, L], temperature, top_k)
+    p3 = _warp(logits[:, L + 1], temperature, top_k).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("method,temperature,top_k,fault", [
+    ("tli", 1.0, None, ""), ("tli", 0.7, 3, ""), ("slem", 1.0, None, ""), ("tli", 1.0, None, "unmasked_q")])
+def test_constrained_sampling_is_the_constrained_targets_distribution(pair, method, temperature, top_k, fault):
+    """With a grammar, tli (drafts masked by the grammar: ``mask_drafts``) and slem (unconstrained
+    drafts) sample the masked target's distribution (G-test, 16384 rows). Negative control: drafts
+    from the masked q but the acceptance ratio from the plain q (``unmasked_q``) must fail."""
+    from pallasite.inference.constrained import Constraint
+
+    prompt = pair[2].encode(PROMPT_TEXT)
+    c = Constraint("regex", CONSTRAINT_REGEX, tokenizer=pair[2])
+    s, _ = run_rows(pair, method, temperature=temperature, top_k=top_k, fault=fault, constraint=c,
+                    stop_tokens=(F.EOS,))
+    p = _masked_exact(pair, prompt, temperature, top_k)
+    g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
+    print(f"constrained {method} T={temperature} top_k={top_k} {fault or 'ok'}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
+    if fault:
+        assert pval < 1e-6, f"negative control {fault} passed (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+    else:
+        assert pval > 0.01, f"constrained {method}: G = {g:.1f}, df = {df}, p = {pval:.3g}"
 
 
 def test_tli_acceptance_matches_theory(pair):
