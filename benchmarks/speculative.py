@@ -18,7 +18,9 @@ Acceptance / calls per token come from the strategy's counters (``speculative.st
 ``acceptance_real_pair`` is null here; ``--real-pair`` measures a pair of offline models (or
 ``trained``) on four code/prose prompts: greedy identity and acceptance of tli / slem at K = 1 and
 ``--k``, and the drafter's teacher-forced top-1 agreement with the target's greedy tokens.
-Ends with one JSON line.
+``--json-schema tool|FILE`` constrains every system (target-only included) by a JSON schema on
+tool-call chat prompts (``tool``: a built-in weather-tool schema); sd / tli drafters then draft
+only what the schema allows unless ``--no-mask-drafts``. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -145,14 +147,46 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def bench_batch(target, drafter, prompts, args, methods):
+TOOL_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather", "search_flights"]},
+        "arguments": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                      "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}},
+    },
+}
+TOOL_CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Rome", "Accra"]
+
+
+def tool_prompts(target, n: int) -> list:
+    """ChatML tool-call requests (SmolLM2-Instruct's chat format), as target token ids."""
+    return [target.encode(f"<|im_start|>user\nWhat is the weather in {TOOL_CITIES[i % len(TOOL_CITIES)]}? "
+                          "Call a tool, answer in JSON.<|im_end|>\n<|im_start|>assistant\n") for i in range(n)]
+
+
+def schema_constraint(spec: str, target):
+    from pallasite.inference.constrained import Constraint
+
+    if spec == "tool":
+        schema, name = TOOL_SCHEMA, "tool"
+    else:
+        with open(spec) as f:
+            schema, name = json.load(f), os.path.basename(spec)
+    return Constraint("json_schema", schema, name=name, tokenizer=target.tokenizer)
+
+
+def bench_batch(target, drafter, prompts, args, methods, constraint=None):
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
     from pallasite.inference.speculative.strategy import build_speculative
 
     cfg, g, st = target.config, target.graphdef, target.state
-    base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=())
+    eos = tuple(cfg.eos_token_id or ())
+    # a constraint needs its end (the stop token); without one every row makes exactly new_tokens
+    stops = () if constraint is None else tuple(int(t) for t in eos if t is not None)
+    base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=stops, constraint=constraint)
     d = Drafter.of(drafter, target=target)
 
     def run_base():  # model=: a cache kind's files (e.g. kv4 transforms) resolve against the model folder
@@ -160,7 +194,8 @@ def bench_batch(target, drafter, prompts, args, methods):
 
     def make_spec(method):
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
-                               strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule})
+                               strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule,
+                                                "mask_drafts": not args.no_mask_drafts})
         strategy, sargs = build_speculative(gen, len(prompts))
 
         def run():
@@ -177,7 +212,7 @@ def bench_batch(target, drafter, prompts, args, methods):
         for name, fn in systems.items():
             _, dt = _timed(fn)
             best[name] = min(best[name], dt)
-    n_tok = len(prompts) * args.new_tokens
+    n_tok = sum(len(o) for o in outs["target"])  # every system emits these when identical
     rows = {}
     for name in systems:
         r = {"tok_s": n_tok / best[name], "wall_s": best[name]}
@@ -321,6 +356,10 @@ def main(argv=None):
     ap.add_argument("--real-pair", default=None, metavar="TARGET:DRAFTER",
                     help="offline models, e.g. smollm2-135m:gemma3-270m (drafter 'trained': the --drafter-* "
                          "model): greedy identity, acceptance, teacher-forced agreement")
+    ap.add_argument("--json-schema", default=None, metavar="tool|FILE",
+                    help="constrain every system by this JSON schema on tool-call chat prompts")
+    ap.add_argument("--no-mask-drafts", action="store_true",
+                    help="with --json-schema: sd / tli drafters draft unconstrained")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="--real-pair: sample at this temperature (acceptance of sampled tli / slem)")
     args = ap.parse_args(argv)
@@ -355,14 +394,19 @@ def main(argv=None):
         ids = target.encode(held[int(text)])
         s = int(rng.integers(0, max(1, len(ids) - args.prompt_tokens)))
         prompts_all.append(ids[s: s + args.prompt_tokens])
+    constraint = None
+    if args.json_schema:
+        constraint = schema_constraint(args.json_schema, target)
+        prompts_all = tool_prompts(target, max(batches))
     methods = [m for m in args.methods.split(",") if m]
     results = {}
     print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
           f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "
-          f"trained {train_s:.0f} s); K={args.k}, {args.new_tokens} new tokens, greedy")
+          f"trained {train_s:.0f} s); K={args.k}, {args.new_tokens} new tokens, greedy"
+          + (f", JSON schema {args.json_schema!r} (masked drafts: {not args.no_mask_drafts})" if constraint else ""))
     print(f"{'B':>3} {'system':>8} {'tok/s':>8} {'speedup':>8} {'identical':>9} {'accept':>7} {'calls/tok':>9}")
     for B in batches:
-        rows = bench_batch(target, drafter, prompts_all[:B], args, methods)
+        rows = bench_batch(target, drafter, prompts_all[:B], args, methods, constraint)
         results[B] = rows
         nan = float("nan")
         for name, r in rows.items():
@@ -380,6 +424,7 @@ def main(argv=None):
         "speedup_wall_b8": round(best[8][0], 3) if 8 in best else None,
         "best_method": {f"b{B}": best[B][1] for B in batches},
         "acceptance_real_pair": None,
+        "json_schema": args.json_schema, "mask_drafts": bool(constraint) and not args.no_mask_drafts,
         "device": jax.default_backend(),
     }
     print(json.dumps(out))
