@@ -196,6 +196,7 @@ def bench_batch(target, drafter, prompts, args, methods, constraint=None):
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
                                strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule,
                                                 "mask_drafts": not args.no_mask_drafts})
+
         def run():  # built per call: a constraint's host session follows one generation
             strategy, sargs = build_speculative(gen, len(prompts))
             s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
