@@ -137,3 +137,15 @@ def prompts_from(tok, n: int, seed: int = 0, lo: int = 3, hi: int = 12) -> list[
         s = int(rng.integers(0, len(ids) - L))
         out.append([int(t) for t in ids[s: s + L]])
     return out
+
+
+def drafter_for(models, method: str):
+    """The drafter of ``models = (target, drafter)`` (each ``trained(...)``'s tuple) for ``method``:
+    for sd (shared vocabulary) the target itself with noisy weights, else the drafter model."""
+    from pallasite.inference.speculative import Drafter
+
+    (tc, tg, ts, ttok), (dc, dg, ds, dtok) = models
+    if method == "sd":
+        noisy = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), ts)
+        return Drafter(tc, tg, noisy, ttok, target_tokenizer=ttok)
+    return Drafter(dc, dg, ds, dtok, target_tokenizer=ttok)

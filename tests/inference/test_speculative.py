@@ -50,14 +50,6 @@ def prompts(models):
     return F.prompts_from(models[0][3], N_PROMPTS, seed=3)
 
 
-def _drafter(models, method):
-    (tc, tg, ts, ttok), (dc, dg, ds, dtok) = models
-    if method == "sd":  # same vocabulary: the target with noisy weights drafts
-        noisy = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), ts)
-        return Drafter(tc, tg, noisy, ttok, target_tokenizer=ttok)
-    return Drafter(dc, dg, ds, dtok, target_tokenizer=ttok)
-
-
 def _run(models, prompts, gen):
     tc, tg, ts, _ = models[0]
     strategy, args = build_speculative(gen, len(prompts))
@@ -80,8 +72,8 @@ def test_fixture_pair_retokenises_differently(models):
 
 
 def _check_greedy(models, prompts, greedy_base, method, k, stops=()):
-    gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=stops, drafter=_drafter(models, method), method=method,
-                           strategy_config={"num_draft_tokens": k})
+    gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=stops, drafter=F.drafter_for(models, method),
+                           method=method, strategy_config={"num_draft_tokens": k})
     s = _run(models, prompts, gen)
     got, want = E.results(s), greedy_base[stops]
     bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
@@ -143,7 +135,7 @@ def test_cache_kinds_roll_back(models, tmp_path, kind, method):
     want = E.generate_ids(tg, ts, tc, ps, max_new_tokens=n_new, stop_tokens=(), kv_cache=kind,
                           kv_cache_config=t_opts)
     gen = GenerationConfig(max_new_tokens=n_new, stop_tokens=(), kv_cache=kind, kv_cache_config=t_opts,
-                           drafter=_drafter(models, method), method=method,
+                           drafter=F.drafter_for(models, method), method=method,
                            strategy_config={"num_draft_tokens": 3, "drafter_kv_cache": kind,
                                             "drafter_kv_cache_config": d_opts})
     s = _run(models, ps, gen)
@@ -197,15 +189,15 @@ def test_bad_inputs(models):
     with pytest.raises(ValueError, match="cannot encode the target's text"):
         build_speculative(gen, 1)
     with pytest.raises(ValueError, match="share one vocabulary"):
-        build_speculative(gen.replace(drafter=_drafter(models, "tli"), method="sd"), 1)
+        build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), method="sd"), 1)
     with pytest.raises(ValueError, match="not a speculative method"):
-        GenerationConfig(drafter=_drafter(models, "tli"), method="medusa")
+        GenerationConfig(drafter=F.drafter_for(models, "tli"), method="medusa")
     with pytest.raises(ValueError, match="needs a drafter"):
         GenerationConfig(method="tli")
     with pytest.raises(ValueError, match="slrs"):
-        build_speculative(gen.replace(drafter=_drafter(models, "tli"), method="slrs"), 1)
+        build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), method="slrs"), 1)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        build_speculative(gen.replace(drafter=_drafter(models, "tli"), strategy_config={"num_draft_tokens": 0}), 1)
+        build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), strategy_config={"num_draft_tokens": 0}), 1)
     short = Drafter(dc.replace(max_seq_len=32), dg, ds, dtok, target_tokenizer=ttok)
     with pytest.raises(ValueError, match="drafter's context"):
         E.generate_ids(tg, ts, tc, prompt, max_new_tokens=64, drafter=short, method="tli")

@@ -21,7 +21,7 @@ from pallasite.inference import engine as E
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.constrained import Constraint
 from pallasite.inference.constrained.strategy import build_constrained
-from pallasite.inference.speculative import Drafter, stats_of
+from pallasite.inference.speculative import stats_of
 from pallasite.inference.speculative.strategy import build_speculative
 
 
@@ -51,14 +51,6 @@ def models():
 @pytest.fixture(scope="module")
 def prompts(models):
     return F.prompts_from(models[0][3], N_PROMPTS, seed=5)
-
-
-def _drafter(models, method):
-    (tc, tg, ts, ttok), (dc, dg, ds, dtok) = models
-    if method == "sd":  # same vocabulary: the target with noisy weights drafts
-        noisy = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), ts)
-        return Drafter(tc, tg, noisy, ttok, target_tokenizer=ttok)
-    return Drafter(dc, dg, ds, dtok, target_tokenizer=ttok)
 
 
 def _decode(models, prompts, gen, build):
@@ -106,7 +98,8 @@ def test_greedy_constrained_speculative_equals_constrained_target(models, prompt
     # the grammar changes what the target writes (non-vacuous)
     assert sum(a != b for a, b in zip(want, target_only["free"])) > N_PROMPTS // 2
     gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(F.EOS,), constraint=_constraint(models, which),
-                           drafter=_drafter(models, method), method=method, strategy_config={"num_draft_tokens": 3})
+                           drafter=F.drafter_for(models, method), method=method,
+                           strategy_config={"num_draft_tokens": 3})
     assert gen.strategy == "speculative"
     s = _decode(models, prompts, gen, build_speculative)
     got = E.results(s)
@@ -130,7 +123,7 @@ def test_masked_drafts_raise_acceptance_and_keep_the_output(models, prompts, tar
     acc = {}
     for mask in (False, True):
         gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(F.EOS,), constraint=_constraint(models, "lark"),
-                               drafter=_drafter(models, method), method=method,
+                               drafter=F.drafter_for(models, method), method=method,
                                strategy_config={"num_draft_tokens": 3, "mask_drafts": mask})
         s = _decode(models, prompts, gen, build_speculative)
         assert E.results(s) == target_only["lark"], mask
@@ -142,7 +135,7 @@ def test_masked_drafts_raise_acceptance_and_keep_the_output(models, prompts, tar
 @pytest.mark.parametrize("method", ["tli", "slem"])
 def test_sampled_constrained_speculative_outputs_are_sentences(models, prompts, method):
     gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(F.EOS,), constraint=_constraint(models, "regex"),
-                           temperature=1.0, seed=7, drafter=_drafter(models, method), method=method,
+                           temperature=1.0, seed=7, drafter=F.drafter_for(models, method), method=method,
                            strategy_config={"num_draft_tokens": 3})
     got = E.results(_decode(models, prompts, gen, build_speculative))
     ended = [ids[:-1] for ids in got if ids and ids[-1] == F.EOS]
@@ -154,7 +147,7 @@ def test_sampled_constrained_speculative_outputs_are_sentences(models, prompts, 
 
 def test_a_constraint_without_a_stop_token_is_refused_with_a_drafter(models):
     gen = GenerationConfig(max_new_tokens=8, stop_tokens=(), constraint=_constraint(models, "regex"),
-                           drafter=_drafter(models, "tli"), method="tli")
+                           drafter=F.drafter_for(models, "tli"), method="tli")
     with pytest.raises(ValueError, match="needs a stop token"):
         build_speculative(gen, 2)
 
