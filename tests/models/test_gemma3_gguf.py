@@ -492,7 +492,7 @@ def _prose_texts(n_files, seed=0):
     try:
         files = sorted(glob.glob(os.path.join(python_doc_dir(), "**", "*.rst.txt"), recursive=True))
         return [open(f, encoding="utf-8").read() for f in rng.sample(files, n_files)]
-    except RuntimeError:  # no apt-get: module docstrings of the stdlib are English prose too
+    except FileNotFoundError:  # python3.11-doc not fetched: stdlib module docstrings are English prose too
         import ast
         import sysconfig
 
