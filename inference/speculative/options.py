@@ -36,6 +36,8 @@ class SpeculativeConfig:
     drafter_kv_cache   the drafter's cache kind (None: the drafter model's default) + its options
     mask_drafts        with a constraint, sd / tli: the drafter drafts only what the grammar allows
                        (one host call per draft step; False: unconstrained drafts, still lossless)
+    slrs_max_nodes     SLRS: most prefixes of multi-character target tokens (drafter calls per draft
+                       step that psi takes); a larger target vocabulary is refused
     """
 
     num_draft_tokens: int = 5
@@ -49,6 +51,7 @@ class SpeculativeConfig:
     drafter_kv_cache: Optional[str] = None
     drafter_kv_cache_config: Any = None
     mask_drafts: bool = True
+    slrs_max_nodes: int = 256
 
     def __post_init__(self):
         def need(ok, msg):
@@ -65,7 +68,7 @@ class SpeculativeConfig:
                  f"max_draft_tokens must be an integer >= num_draft_tokens ({self.num_draft_tokens}); "
                  f"got {self.max_draft_tokens!r}")
         need(self.schedule in SCHEDULES, f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
-        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up"):
+        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up", "slrs_max_nodes"):
             v = getattr(self, name)
             need(is_int(v) and v >= 1, f"{name} must be an integer >= 1; got {v!r}")
         if self.max_target_draft is not None:

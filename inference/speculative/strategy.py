@@ -9,7 +9,8 @@ prefix plus one target token, roll both caches back per row (length reset). Meth
 from q' = q renormalised on V_T ∩ V_D (its logits masked to the intersection, as transformers'
 pruned LM head), verified like sd with the residual over all of V_T; ``slem`` (Alg. 2) the draft's
 text is re-tokenised for the target on the host (``host.py``) and the target's own draws are matched
-exactly (greedy and sampling); ``slrs`` (Alg. 3) is refused (not built, see docs). ``auto`` =
+exactly (greedy and sampling); ``slrs`` (Alg. 3) proposes target tokens from ψ, the law of the
+first target token of a character-level drafter's string (``slrs.py``), verified like sd. ``auto`` =
 sd for a shared vocabulary, else slem when greedy and tli when sampling (transformers' routing).
 Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap.
 A constraint (grammar, JSON schema, regex, CRANE spans: ``inference/constrained``) masks the
@@ -38,6 +39,7 @@ from flax import struct
 from pallasite.inference.sampling import SamplingParams, SamplingSpec
 from pallasite.inference.speculative import drafter as D
 from pallasite.inference.speculative import probs as P
+from pallasite.inference.speculative import slrs as S
 from pallasite.inference.speculative.host import Row, SlemSession, get_session
 from pallasite.inference.speculative.options import SpeculativeConfig, check_method
 from pallasite.inference.speculative.vocab import PairMap, check_drafter_can_encode, pair_map
@@ -45,7 +47,7 @@ from pallasite.ops.common import round_up
 from pallasite.registry import DECODE_STRATEGY
 
 # deliberate breaks for negative controls (unmasked_q: drafts from the grammar-masked q, ratio from the plain q)
-FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q")
+FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q", "psi_prefix")
 
 
 @struct.dataclass
@@ -82,11 +84,12 @@ class SpecArgs:
     t2d_len: jax.Array  # [V_T] int32
     session: jax.Array  # int32 scalar, the SLEM host session (0: none)
     constraint: jax.Array  # int32 scalar, the constrained-decoding host session (0: none)
+    slrs: Any = None  # SLRS: the target vocabulary's trie in drafter characters (slrs.SlrsTables)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeStrategy:
-    method: str  # sd | tli | slem (resolved)
+    method: str  # sd | tli | slem | slrs (resolved)
     drafter_graphdef: Any
     drafter_config: Any
     drafter_cache_kind: str
@@ -108,15 +111,23 @@ class SpeculativeStrategy:
     def _pend_width(self, args) -> int:
         if self.method == "slem":
             return self.catch_up
+        if self.method == "slrs":
+            return 2 * args.slrs.width  # an unfed draft's characters + the target token's
         return 1 + int(args.t2d.shape[1])  # an unfed draft + one target token's drafter tokens
+
+    def _draft_span(self, args) -> int:
+        """Drafter positions one round may write past its pending tokens."""
+        if self.method == "slrs":  # K drafts of up to L characters, the trie's node calls after the last
+            return self.k_max * args.slrs.width + int(args.slrs.node_chars.shape[1]) + 1
+        return self.k_max + 1
 
     def _prompt_width(self, T: int) -> int:
         if self.method == "sd":
             return T
         return round_up(int(math.ceil(T * self.len_ratio)) + 1, 16)
 
-    def _drafter_capacity(self, Tp: int, N: int, M: int) -> int:
-        return round_up(Tp + int(math.ceil(N * self.len_ratio)) + M + self.k_max + 2, 64)
+    def _drafter_capacity(self, Tp: int, N: int, M: int, span: int) -> int:
+        return round_up(Tp + int(math.ceil(N * self.len_ratio)) + M + span + 1, 64)
 
     # ------------------------------------------------------------------ target side
     def _target_probs(self, ctx, s, logits_BTV, tokens_BK):
@@ -163,7 +174,7 @@ class SpeculativeStrategy:
         T = ctx.prompt_BT.shape[1]
         Tp = self._prompt_width(T)
         M = self._pend_width(ctx.args)
-        Sd = self._drafter_capacity(Tp, N, M)
+        Sd = self._drafter_capacity(Tp, N, M, self._draft_span(ctx.args))
         target_len = s.cache.capacity
         if cfg.max_seq_len < target_len:
             raise ValueError(f"the drafter's context (max_seq_len={cfg.max_seq_len}) is shorter than the target's "
@@ -182,7 +193,10 @@ class SpeculativeStrategy:
         extra = SpecState(dcache, d_len, jnp.zeros((B, M), jnp.int32), zeros,
                           jnp.full((B,), self.k_init, jnp.int32), stats, d2t, t2d, t2d_len)
         if self.method != "slem":  # (SLEM: the host says what to feed at the start of each round)
-            pend, n_pend = self._pending_after(extra, y0, jnp.zeros((B, 1), jnp.int32), zeros, 0, M)
+            if self.method == "slrs":
+                pend, n_pend = S.pending_after(ctx.args.slrs, jnp.zeros((B, 1), jnp.int32), y0, zeros, 0, M)
+            else:
+                pend, n_pend = self._pending_after(extra, y0, jnp.zeros((B, 1), jnp.int32), zeros, 0, M)
             prev = D.take_positions(d_prompt, jnp.maximum(d_len - 1, 0))
             d_len, pend, n_pend = _refeed_if_empty(d_len, pend, n_pend, prev)
             extra = extra.replace(dlen_B=d_len, pend_BM=pend, n_pend_B=n_pend)
@@ -254,10 +268,21 @@ class SpeculativeStrategy:
         _, cache, _, drafts, qv, _ = jax.lax.while_loop(lambda c: c[0] < J, body, init)
         return cache, drafts, (qv if keep_q else None)
 
-    def _round_k(self, s, sp, Sd: int):
+    def _draft_slrs(self, ctx, cache, dl_B, logits_BV, J, key):
+        args = ctx.args
+
+        def call(cache, tokens_BT, positions_BT):
+            return D.call(self.drafter_graphdef, args.drafter_state, cache, tokens_BT, positions_BT)
+
+        def warp(logits_BV):
+            return P.warped_probs(logits_BV[:, None], args.sampling, self.spec)[:, 0]
+
+        return S.draft(call, warp, args.slrs, cache, dl_B, logits_BV, J, self.k_max, key, fault=self.fault)
+
+    def _round_k(self, s, sp, Sd: int, span: int):
         """Per-row draft length this round: 0 for finished rows and rows whose drafter is full."""
         M = sp.pend_BM.shape[1]
-        room = sp.dlen_B + M + self.k_max + 1 <= Sd
+        room = sp.dlen_B + M + span <= Sd
         return jnp.where(~s.done_B & room, sp.k_B, 0)
 
     def _pending_after(self, sp, y_B, drafts_BK, n_B, fed, M):
@@ -302,20 +327,24 @@ class SpeculativeStrategy:
         sp = s.extra
         key, k_draft, k_acc, k_res = jax.random.split(s.key, 4)
         active = ~s.done_B
-        k_B = self._round_k(s, sp, sp.cache.capacity)
+        k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
         J = jnp.max(k_B)
         dcache, dl, logits0 = self._catch_up(ctx, sp)
         d2t = sp.d2t_V
-        row_mask = None
-        if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
-            to_t = jnp.maximum(d2t, 0)
-            V_T = sp.t2d_VL.shape[0]
+        if self.method == "slrs":  # drafts are target tokens already, q = ψ over V_T
+            dcache, cand, qv, n_chars = self._draft_slrs(ctx, dcache, dl, logits0, J, k_draft)
+            drafts = cand
+        else:
+            row_mask = None
+            if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
+                to_t = jnp.maximum(d2t, 0)
+                V_T = sp.t2d_VL.shape[0]
 
-            def row_mask(drafts_BK, j):
-                return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
+                def row_mask(drafts_BK, j):
+                    return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
 
-        dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask)
-        cand = jnp.take(jnp.maximum(d2t, 0), drafts)
+            dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask)
+            cand = jnp.take(jnp.maximum(d2t, 0), drafts)
         logits, cache = self._verify_logits(ctx, s, cand)
         B, K, VT = cand.shape[0], self.k_max, logits.shape[-1]
         p = self._target_probs(ctx, s, logits, cand)  # [B, K+1, V_T]
@@ -324,8 +353,13 @@ class SpeculativeStrategy:
         n = P.leviathan_accept(k_acc, p_tok, q_tok, k_B)
         rejected = n < k_B
         q_at = D.take_positions(qv, jnp.minimum(n, K - 1))  # [B, V_D], the rejected draft's q
-        to_T = jnp.where(d2t >= 0, d2t, VT)
-        qT = jnp.zeros((B, VT), jnp.float32).at[:, to_T].add(q_at, mode="drop")
+        if self.method == "slrs":
+            W = min(VT, q_at.shape[1])  # the tables span the tokenizer, the logits the model's width
+            qT = jnp.zeros((B, VT), jnp.float32).at[:, :W].set(q_at[:, :W])
+            to_T = jnp.arange(VT)
+        else:
+            to_T = jnp.where(d2t >= 0, d2t, VT)
+            qT = jnp.zeros((B, VT), jnp.float32).at[:, to_T].add(q_at, mode="drop")
         p_at = D.take_positions(p, n)
         if self.fault == "residual_intersection":  # resample only among tokens the drafter has
             image = jnp.zeros((VT,), bool).at[to_T].set(True, mode="drop")
@@ -337,13 +371,24 @@ class SpeculativeStrategy:
         fed = jnp.maximum(J - 1, 0)
         kept = jnp.minimum(n, fed)
         M = sp.pend_BM.shape[1]
-        pend, n_pend = self._pending_after(sp, y, drafts, n, fed, M)
-        prev = jnp.where(kept > 0, D.take_positions(drafts, jnp.maximum(kept - 1, 0)),
-                         D.take_positions(sp.pend_BM, jnp.maximum(sp.n_pend_B - 1, 0)))
-        new_dl, pend, n_pend = _refeed_if_empty(dl + kept, pend, n_pend, prev)
+        last_pending = D.take_positions(sp.pend_BM, jnp.maximum(sp.n_pend_B - 1, 0))
+        if self.method == "slrs":  # the drafter saw every character of the kept drafts
+            tab = ctx.args.slrs
+            pend, n_pend = S.pending_after(tab, drafts, y, n, fed, M)
+            upto = jnp.cumsum(n_chars, axis=1)
+            grown = jnp.where(kept > 0, D.take_positions(upto, jnp.maximum(kept - 1, 0)), 0)
+            last_kept = D.take_positions(drafts, jnp.maximum(kept - 1, 0))
+            last_char = D.take_positions(tab.tok_char[last_kept], jnp.maximum(tab.tok_len[last_kept] - 1, 0))
+            prev = jnp.where(kept > 0, last_char, last_pending)
+        else:
+            pend, n_pend = self._pending_after(sp, y, drafts, n, fed, M)
+            grown = kept
+            prev = jnp.where(kept > 0, D.take_positions(drafts, jnp.maximum(kept - 1, 0)), last_pending)
+        new_dl, pend, n_pend = _refeed_if_empty(dl + grown, pend, n_pend, prev)
         dcache = dcache.rollback(new_dl)
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        stats = self._stats(sp.stats, active, J + 1, k_B, n)
+        calls = J * (ctx.args.slrs.n_nodes + 1) if self.method == "slrs" else J + 1  # slrs: + psi's node calls
+        stats = self._stats(sp.stats, active, calls, k_B, n)
         return s.replace(extra=sp.replace(
             cache=dcache, dlen_B=keep(new_dl, sp.dlen_B), pend_BM=keep(pend, sp.pend_BM),
             n_pend_B=keep(n_pend, sp.n_pend_B), k_B=self._schedule(sp.k_B, n, n == k_B, active), stats=stats))
@@ -359,7 +404,7 @@ class SpeculativeStrategy:
         dlen, pend, n_pend = jax.pure_callback(functools.partial(_cb_slem_resync, M=M), shapes, ctx.args.session,
                                                s.out_BN, s.n_out_B, s.done_B)
         sp = sp.replace(cache=sp.cache.rollback(dlen), dlen_B=dlen, pend_BM=pend, n_pend_B=n_pend)
-        k_B = self._round_k(s, sp, sp.cache.capacity)
+        k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
         J = jnp.max(k_B)
         dcache, dl, logits0 = self._catch_up(ctx, sp)
         dcache, drafts, _ = self._draft(ctx, dcache, dl, logits0, J, k_draft, None, keep_q=False)
@@ -479,11 +524,7 @@ def build_speculative(gen, n_prompts: int):
         d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
         if method == "tli" and pair.intersection == 0:
             raise ValueError("method='tli': the two vocabularies share no token string; use method='slem'")
-    if method == "slrs":
-        raise ValueError(
-            "method='slrs' (string-level rejection sampling, Timor et al. Alg. 3) is not implemented: psi needs "
-            "an enumeration of drafter strings that is practical only for byte/char drafters and is not built "
-            "yet; use method='slem' (greedy or sampling, lossless for any pair) or 'tli' (sampling)")
+    tables = S.build_tables(pair, max_nodes=cfg.slrs_max_nodes) if method == "slrs" else None
     if method == "slem":
         stops = gen.stop_tokens if gen.stop_tokens else pair.target.eos_ids
         sess = SlemSession(pair, target_lookbehind=cfg.target_lookbehind, drafter_lookbehind=cfg.drafter_lookbehind,
@@ -498,10 +539,12 @@ def build_speculative(gen, n_prompts: int):
         schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
         len_ratio=float(cfg.drafter_len_ratio),
         pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask,
-        draft_mask=constraint_draft_mask if constrained is not None and cfg.mask_drafts and method != "slem" else None)
+        draft_mask=constraint_draft_mask if constrained is not None and cfg.mask_drafts and method in ("sd", "tli")
+        else None)
     args = SpecArgs(sampling=sampling, drafter_state=drafter.state, d2t=jnp.asarray(d2t, jnp.int32),
                     t2d=jnp.asarray(t2d, jnp.int32), t2d_len=jnp.asarray(t2d_len, jnp.int32),
-                    session=jnp.int32(session), constraint=jnp.int32(0 if constrained is None else constrained.id))
+                    session=jnp.int32(session), constraint=jnp.int32(0 if constrained is None else constrained.id),
+                    slrs=tables)
     return strategy, args
 
 

@@ -141,10 +141,13 @@ def prompts_from(tok, n: int, seed: int = 0, lo: int = 3, hi: int = 12) -> list[
 
 def drafter_for(models, method: str):
     """The drafter of ``models = (target, drafter)`` (each ``trained(...)``'s tuple) for ``method``:
-    for sd (shared vocabulary) the target itself with noisy weights, else the drafter model."""
+    for sd (shared vocabulary) the target itself with noisy weights, for slrs the character-level
+    model ``trained("char")``, else the drafter model."""
     from pallasite.inference.speculative import Drafter
 
     (tc, tg, ts, ttok), (dc, dg, ds, dtok) = models
+    if method == "slrs":
+        dc, dg, ds, dtok = trained("char")
     if method == "sd":
         noisy = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), ts)
         return Drafter(tc, tg, noisy, ttok, target_tokenizer=ttok)
