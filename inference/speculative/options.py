@@ -1,6 +1,6 @@
 """Options of the ``speculative`` decode strategy (``GenerationConfig.strategy_config``).
 
-A leaf module (it imports nothing of the package) so that ``inference.config`` can validate
+A leaf module (it imports only ``pallasite.errors``) so that ``inference.config`` can validate
 ``GenerationConfig.method`` without an import cycle.
 """
 
@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from pallasite.errors import ConfigError
+
 METHODS = ("auto", "sd", "slem", "tli", "slrs")
 SCHEDULES = ("constant", "heuristic")
 
 
 def check_method(method: Any, *, field: str = "GenerationConfig.method") -> str:
     if method not in METHODS:
-        raise ValueError(f"{field}={method!r} is not a speculative method; expected one of {', '.join(METHODS)} "
+        raise ConfigError(f"{field}={method!r} is not a speculative method; expected one of {', '.join(METHODS)} "
                          "(auto: sd for a shared vocabulary, slem when greedy, tli when sampling)")
     return method
 
@@ -56,7 +58,7 @@ class SpeculativeConfig:
     def __post_init__(self):
         def need(ok, msg):
             if not ok:
-                raise ValueError(f"SpeculativeConfig: {msg}")
+                raise ConfigError(f"SpeculativeConfig: {msg}")
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallasite.errors import ConfigError
 from pallasite.inference.speculative import probs as P
 from pallasite.inference.speculative.drafter import take_positions
 from pallasite.inference.speculative.vocab import PairMap
@@ -69,7 +70,7 @@ def check_char_drafter(pair: PairMap) -> None:
     multi = [j for j, b in enumerate(pair.drafter.bytes) if b is not None and len(b) > 1 and len(_chars(b)) != 1]
     if multi:
         j = multi[0]
-        raise ValueError(
+        raise ConfigError(
             f"method='slrs' needs a character- or byte-level drafter (each string one drafter spelling, so psi "
             f"is a product of the drafter's conditionals); {len(multi)} of {len(pair.drafter)} drafter tokens span "
             f"several characters (e.g. id {j} = {pair.drafter.bytes[j]!r}): use method='slem' or 'tli'")
@@ -101,7 +102,7 @@ def build_tables(pair: PairMap, *, max_nodes: int) -> SlrsTables:
         canonical.setdefault(seq, t)
     nodes = sorted({s[:i] for s in canonical for i in range(1, len(s))}, key=lambda s: (len(s), s))
     if len(nodes) > max_nodes:
-        raise ValueError(
+        raise ConfigError(
             f"method='slrs': psi over the target vocabulary takes one drafter call per prefix of a multi-character "
             f"target token at every draft step; this target's vocabulary has {len(nodes)} such prefixes "
             f"(SpeculativeConfig.slrs_max_nodes={max_nodes}). SLRS is practical only for small target vocabularies "

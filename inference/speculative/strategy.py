@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallasite.errors import ConfigError
 from pallasite.inference.sampling import SamplingParams, SamplingSpec
 from pallasite.inference.speculative import drafter as D
 from pallasite.inference.speculative import probs as P
@@ -177,7 +178,7 @@ class SpeculativeStrategy:
         Sd = self._drafter_capacity(Tp, N, M, self._draft_span(ctx.args))
         target_len = s.cache.capacity
         if cfg.max_seq_len < target_len:
-            raise ValueError(f"the drafter's context (max_seq_len={cfg.max_seq_len}) is shorter than the target's "
+            raise ConfigError(f"the drafter's context (max_seq_len={cfg.max_seq_len}) is shorter than the target's "
                              f"KV cache ({target_len} positions): it cannot follow this generation; use a drafter "
                              "with a longer context or a smaller cache_len / max_new_tokens")
         if self.method == "sd":
@@ -491,11 +492,11 @@ def resolve_method(method: str, drafter: D.Drafter, greedy: bool) -> str:
         pm = pair_map(t, d) if (t is not None and d is not None) else None
         detail = "one model has no tokenizer" if pm is None else (
             f"target {len(pm.target)} tokens, drafter {len(pm.drafter)}, {pm.intersection} shared strings")
-        raise ValueError(f"method='sd' needs the drafter and the target to share one vocabulary; theirs differ "
+        raise ConfigError(f"method='sd' needs the drafter and the target to share one vocabulary; theirs differ "
                          f"({detail}); use method='slem', 'tli' or 'auto'")
     if method != "sd" and (t is None or d is None):
         which = "target" if t is None else "drafter"
-        raise ValueError(f"method={method!r} works on text: the {which} has no tokenizer (pallasite.generate binds "
+        raise ConfigError(f"method={method!r} works on text: the {which} has no tokenizer (pallasite.generate binds "
                          "the target's; with generate_ids pass speculative.Drafter(..., target_tokenizer=...))")
     return method
 
@@ -504,9 +505,9 @@ def build_speculative(gen, n_prompts: int):
     """(SpeculativeStrategy, SpecArgs) for a ``GenerationConfig`` with a ``drafter``."""
     cfg: SpeculativeConfig = gen.strategy_config or SpeculativeConfig()
     if gen.drafter is None:
-        raise ValueError("strategy='speculative' needs a drafter: GenerationConfig(drafter=<a pallasite.Model>)")
+        raise ConfigError("strategy='speculative' needs a drafter: GenerationConfig(drafter=<a pallasite.Model>)")
     if gen.logits_processors:
-        raise ValueError("speculative decoding does not take logits_processors (they see one position at a "
+        raise ConfigError("speculative decoding does not take logits_processors (they see one position at a "
                          "time); constraints apply through the strategy's target_mask hook")
     drafter = D.Drafter.of(gen.drafter)
     sampling, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
@@ -523,7 +524,7 @@ def build_speculative(gen, n_prompts: int):
         check_drafter_can_encode(pair)
         d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
         if method == "tli" and pair.intersection == 0:
-            raise ValueError("method='tli': the two vocabularies share no token string; use method='slem'")
+            raise ConfigError("method='tli': the two vocabularies share no token string; use method='slem'")
     tables = S.build_tables(pair, max_nodes=cfg.slrs_max_nodes) if method == "slrs" else None
     if method == "slem":
         stops = gen.stop_tokens if gen.stop_tokens else pair.target.eos_ids

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pallasite.errors import ConfigError
 from pallasite.models.tokenizer import bos_prefix
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -266,7 +267,7 @@ def check_drafter_can_encode(pm: PairMap, *, tolerance: float = 0.005) -> None:
             examples.append(t.bytes[i].decode("utf-8"))
             if len(examples) == 5:
                 break
-    raise ValueError(
+    raise ConfigError(
         f"the drafter's tokenizer cannot encode the target's text: {pm.n_unencodable} of {len(text_ids)} target "
         f"tokens do not survive drafter encode/decode (e.g. {examples}); use a drafter whose tokenizer covers "
         "the target's characters (byte-level BPE or byte fallback)")

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from pallasite.errors import ConfigError
 from pallasite.inference import engine as E
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.speculative import Drafter, stats_of
@@ -194,13 +195,13 @@ def test_bad_inputs(models):
     gen = GenerationConfig(max_new_tokens=8, drafter=Drafter(dc, dg, ds, no_c, target_tokenizer=ttok), method="slem")
     with pytest.raises(ValueError, match="cannot encode the target's text"):
         build_speculative(gen, 1)
-    with pytest.raises(ValueError, match="share one vocabulary"):
+    with pytest.raises(ConfigError, match="share one vocabulary"):
         build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), method="sd"), 1)
     with pytest.raises(ValueError, match="not a speculative method"):
         GenerationConfig(drafter=F.drafter_for(models, "tli"), method="medusa")
     with pytest.raises(ValueError, match="needs a drafter"):
         GenerationConfig(method="tli")
-    with pytest.raises(ValueError, match="slrs' needs a character- or byte-level drafter"):
+    with pytest.raises(ConfigError, match="slrs' needs a character- or byte-level drafter"):  # the CLI's one line
         build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), method="slrs"), 1)
     with pytest.raises(ValueError, match=r"has 3 such prefixes \(SpeculativeConfig.slrs_max_nodes=2\)"):
         build_speculative(gen.replace(drafter=F.drafter_for(models, "slrs"), method="slrs",

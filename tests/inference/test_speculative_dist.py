@@ -326,5 +326,6 @@ def test_slrs_acceptance_matches_theory(pair, char_drafter):
         slem += p0[y] * (p1[y] * psi).sum()
     rate = accepted / drafted
     sigma = np.sqrt(expected * (1 - expected) / RUNS)
+    print(f"slrs acceptance {rate:.4f}, theory E[sum min(p, psi)] {expected:.4f}, slem's E[sum p psi] {slem:.4f}")
     assert abs(rate - expected) < 5 * sigma + 2e-3, f"acceptance {rate:.4f} vs theory {expected:.4f}"
     assert expected > slem + 0.05, (expected, slem)
