@@ -18,7 +18,7 @@ SCHEDULES = ("constant", "heuristic")
 def check_method(method: Any, *, field: str = "GenerationConfig.method") -> str:
     if method not in METHODS:
         raise ConfigError(f"{field}={method!r} is not a speculative method; expected one of {', '.join(METHODS)} "
-                         "(auto: sd for a shared vocabulary, slem when greedy, tli when sampling)")
+                          "(auto: sd for a shared vocabulary, slem when greedy, tli when sampling)")
     return method
 
 

@@ -179,8 +179,8 @@ class SpeculativeStrategy:
         target_len = s.cache.capacity
         if cfg.max_seq_len < target_len:
             raise ConfigError(f"the drafter's context (max_seq_len={cfg.max_seq_len}) is shorter than the target's "
-                             f"KV cache ({target_len} positions): it cannot follow this generation; use a drafter "
-                             "with a longer context or a smaller cache_len / max_new_tokens")
+                              f"KV cache ({target_len} positions): it cannot follow this generation; use a drafter "
+                              "with a longer context or a smaller cache_len / max_new_tokens")
         if self.method == "sd":
             d_prompt = jnp.where(ctx.prompt_BT < cfg.vocab_size, ctx.prompt_BT, 0)
             d_len = s.prompt_len_B
@@ -493,11 +493,11 @@ def resolve_method(method: str, drafter: D.Drafter, greedy: bool) -> str:
         detail = "one model has no tokenizer" if pm is None else (
             f"target {len(pm.target)} tokens, drafter {len(pm.drafter)}, {pm.intersection} shared strings")
         raise ConfigError(f"method='sd' needs the drafter and the target to share one vocabulary; theirs differ "
-                         f"({detail}); use method='slem', 'tli' or 'auto'")
+                          f"({detail}); use method='slem', 'tli' or 'auto'")
     if method != "sd" and (t is None or d is None):
         which = "target" if t is None else "drafter"
         raise ConfigError(f"method={method!r} works on text: the {which} has no tokenizer (pallasite.generate binds "
-                         "the target's; with generate_ids pass speculative.Drafter(..., target_tokenizer=...))")
+                          "the target's; with generate_ids pass speculative.Drafter(..., target_tokenizer=...))")
     return method
 
 
@@ -508,7 +508,7 @@ def build_speculative(gen, n_prompts: int):
         raise ConfigError("strategy='speculative' needs a drafter: GenerationConfig(drafter=<a pallasite.Model>)")
     if gen.logits_processors:
         raise ConfigError("speculative decoding does not take logits_processors (they see one position at a "
-                         "time); constraints apply through the strategy's target_mask hook")
+                          "time); constraints apply through the strategy's target_mask hook")
     drafter = D.Drafter.of(gen.drafter)
     sampling, spec = SamplingParams.make(n_prompts, gen.temperature, gen.top_k, gen.top_p)
     method = resolve_method(gen.method or "auto", drafter, spec.greedy_only)
