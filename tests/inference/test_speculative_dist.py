@@ -135,13 +135,14 @@ CASES = [("tli", 1.0, None), ("tli", 0.7, 3), ("sd_self", 1.0, None), ("slem", 1
 
 @pytest.mark.parametrize(
     "method,temperature,top_k,runs",
-    [c + (RUNS,) for c in CASES]
+    [pytest.param(*c, RUNS, marks=pytest.mark.superseded_by_slow) for c in CASES]
     + [pytest.param(*c, 4 * CHUNK, marks=pytest.mark.slow, id=f"{c[0]}-{c[1]}-{c[2]}-65536") for c in CASES],
 )
 def test_lossless_g_test(pair, char_drafter, method, temperature, top_k, runs):
-    """At 16384 rows (default) and, marked slow, at the issue's >= 50k (4 x 16384 = 65536 rows, one
-    chunk in flight at a time): a bias of the KL the 16384-row G excess would imply (~0.002 nats)
-    gives G ~ df + 260 at 65536 rows, a p-value far below 0.01."""
+    """At 16384 rows (the quick suite) and, marked slow, at the issue's >= 50k (4 x 16384 = 65536
+    rows, one chunk in flight at a time; the 16384-row case is then deselected, the 65536-row run
+    holds it): a bias of the KL the 16384-row G excess would imply (~0.002 nats) gives
+    G ~ df + 260 at 65536 rows, a p-value far below 0.01."""
     target = pair[0]
     kw = {}
     if method == "sd_self":  # standard SD: same vocabulary, a noisier copy of the target drafts
@@ -294,7 +295,8 @@ def test_slrs_psi_matches_enumeration(pair, char_drafter):
                                                                 np.asarray(tables.node_len))]
     cond = np.stack([conds[()]] + [conds[n] for n in nodes])[None]
     got = np.asarray(S.psi(jnp.asarray(cond, jnp.float32), tables))[0]
-    assert got.sum() <= 1 + 1e-5 and want.sum() <= 1 + 1e-9, (got.sum(), want.sum())
+    # want is a float64 sum of float32 conditionals: it may exceed 1 by their rounding (1.2e-9 seen)
+    assert got.sum() <= 1 + 1e-5 and want.sum() <= 1 + 1e-6, (got.sum(), want.sum())
     np.testing.assert_allclose(got, want, atol=2e-6)
     prefix = np.asarray(S.prefix_probs(jnp.asarray(cond, jnp.float32), tables))[0]
     assert prefix.sum() > 1.05, "the overlapping prefix events the psi_prefix control sums"
