@@ -61,3 +61,24 @@ def test_ci_lints_before_testing_and_checks_skips():
         script.index("check_junit.py"),
     )
     assert lint < tests < check and "--junitxml" in script and "-rs" in script
+
+
+def _collected(*args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_quick_g_tests_are_deselected_when_their_slow_runs_are_selected_and_heavy_files_go_first():
+    """tests/conftest.py: the 16384-row G-tests (``superseded_by_slow``) run in the quick suite only;
+    the full suite (CI's ``-m "not accelerator"``) runs their 65536-row versions; heavy files first."""
+    dist = "tests/inference/test_speculative_dist.py"
+    full = _collected("-m", "not accelerator", "tests/test_sharding.py", dist)  # the heavy file named last
+    quick = _collected("-m", "not slow", dist)
+    g_full = [n for n in full if "test_lossless_g_test" in n]
+    g_quick = [n for n in quick if "test_lossless_g_test" in n]
+    assert g_full and all(n.endswith("-65536]") for n in g_full), g_full
+    assert g_quick and all(n.endswith("-16384]") for n in g_quick), g_quick
+    assert len(g_full) == len(g_quick)
+    assert full[0].startswith(dist + "::") and full[-1].startswith("tests/test_sharding.py::"), (full[0], full[-1])
