@@ -6,10 +6,13 @@ restricted to V_T ∩ V_D; for SLRS the ratio from P(string starts with t), over
 the same test. Acceptance matches theory: Σ_∩ min(p, q') (TLI), Σ min(p, ψ) (SLRS, ψ by
 enumeration of a character drafter's strings, Σψ <= 1).
 
-Sample size: 16384 rows, not the issue's 50k. Each negative control's distribution is at KL
-0.11-0.50 nats from the target's (measured), so its G statistic is ~2·N·KL = 3600-16000 against
-~1000 degrees of freedom: p underflows to 0 already at N = 16384, while one compiled call per case
-keeps each test near 20 s on 2 CPU cores. The acceptance test's 5-sigma band is then ±0.02."""
+Sample size: the lossless G-tests run at the issue's >= 50k rows (4 x 16384 = 65536, marked slow)
+in the full suite and at 16384 rows in the quick one (``superseded_by_slow``, tests/conftest.py).
+The negative controls, the constrained cases and the acceptance tests stay at 16384 rows: each
+negative control's distribution is at KL 0.11-0.50 nats from the target's (measured), so its G
+statistic is ~2·N·KL = 3600-16000 against ~1000 degrees of freedom: p underflows to 0 already at
+N = 16384, while one compiled call per case keeps each test near 20 s on 2 CPU cores. The
+acceptance test's 5-sigma band is then ±0.02."""
 
 import dataclasses
 import importlib.util
