@@ -59,6 +59,13 @@ def gsm_task(kind: str = ""):
     )
 
 
+def gsm_cot_tokens(kind: str = "") -> int:
+    from pallasite.eval.tasks import gsm_symbolic as T
+    from pallasite.eval.tasks.traces import GSM_KIND
+
+    return T.COT_TOKENS[kind or GSM_KIND]
+
+
 def folio_task():
     from pallasite.eval.tasks import folio as F
 
@@ -82,7 +89,12 @@ def folio_task():
 
 def ensure_model(task: str, models_dir: str, steps: int = 0, kind: str = "") -> str:
     """The workdir of the task model, trained with configs/crane/<task>.py when missing (``kind``:
-    the GSM problem kind, a model of its own in ``<models_dir>/gsm_<kind>``)."""
+    the GSM problem kind, default ``traces.GSM_KIND``; a model of its own in
+    ``<models_dir>/gsm_<kind>``, the in-order ``steps`` kind's in ``<models_dir>/gsm``)."""
+    if task == "gsm":
+        from pallasite.eval.tasks.traces import GSM_KIND
+
+        kind = kind or GSM_KIND
     workdir = os.path.join(models_dir, task + (f"_{kind}" if kind and kind != "steps" else ""))
     if os.path.isdir(os.path.join(workdir, "checkpoints")) and os.listdir(
         os.path.join(workdir, "checkpoints")
@@ -290,7 +302,7 @@ def masking_modes(model, n: int, seed: int, batch_size: int) -> dict:
             model,
             n,
             seed=seed,
-            max_new_tokens=160,
+            max_new_tokens=gsm_cot_tokens(),
             batch_size=batch_size,
             opportunistic=opp,
             overlap=overlap,
@@ -346,9 +358,10 @@ def main(argv=None):
     ap.add_argument(
         "--gsm-kind",
         default="",
-        choices=("", "steps", "relations"),
-        help="GSM problems: steps (default; one person, operations in order) or relations "
-        "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations)",
+        choices=("", "steps", "relations", "relations_restated", "ordinal"),
+        help="GSM problems: steps (default; one person, operations in order), relations "
+        "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations) or ordinal "
+        "(one person's operations tagged First, Second, ... and shuffled; MODELS/gsm_ordinal)",
     )
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument(
@@ -403,7 +416,7 @@ def main(argv=None):
             model,
             n,
             seed=a.seed,
-            max_new_tokens=160 if name == "gsm" else 192,
+            max_new_tokens=gsm_cot_tokens(a.gsm_kind) if name == "gsm" else 192,
             batch_size=a.batch_size,
         )
         print_table(f"{name} (trained {model.config.d_model}-wide model, n={n})", rows)

@@ -43,6 +43,11 @@ def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
     c.data.paths = (path,)
     c.data.heldout_percent = 2
     c.data.seq_len = seq_len
+    if task == "gsm" and arg.kind in ("ordinal", "relations_restated"):
+        # its traces restate every sentence (~300 tokens): whole problems in a row, and a wider
+        # model (docs/constrained.md)
+        c.data.seq_len = 512
+        c.model.update(d_model=128, d_ff=384)
     c.data.batch_size = 16
     c.data.eval_batches = 4
     c.optim.lr = 3e-3

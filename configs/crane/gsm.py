@@ -3,8 +3,9 @@
     pallasite train --config configs/crane/gsm.py --workdir /tmp/crane_gsm
     pallasite train --config configs/crane/gsm.py:kind=relations,steps=1500 --workdir /tmp/crane_gsm_relations \
         --config.model.d_model=128 --config.model.d_ff=384      # the multi-hop variant, docs/constrained.md
+    pallasite train --config configs/crane/gsm.py:kind=ordinal,steps=1000 --workdir /tmp/crane_models/gsm_ordinal
 
-``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``, ``kind=steps|relations``
+``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``, ``kind=steps|relations|ordinal``
 (``eval.tasks.gsm_symbolic.make_problems``), ``cpu`` (smoke).
 """
 

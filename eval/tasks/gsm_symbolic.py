@@ -9,7 +9,8 @@ extending the previous one, and ends "The final answer is << ... >>." (the paper
 Variable names are drawn per problem (``names="random"``), or are a, b, c, ... in order
 (``"positional"``: the answer depends on the operations alone; what a 0.5M-parameter model
 trained for minutes can learn). ``make_problems(kind="relations")`` builds multi-hop problems
-instead: a chain of people, each count defined from the previous person's, told in shuffled order.
+instead: a chain of people, each count defined from the previous person's, told in shuffled order;
+``kind="ordinal"`` one person's operations tagged "First, ... Third, ..." and told shuffled.
 
 ``equivalent(a, b, types)`` decides expression equivalence with z3 over positive integers (``//``
 is floor division, ``%`` its remainder, ``int()`` truncation, as in CRANE's checker), falling back
@@ -170,12 +171,18 @@ _RELATIONS = (
 )
 
 
-def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> Problem:
+def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None, restate: bool = False) -> Problem:
     """A multi-hop problem: a chain of people, each person's count defined from the previous
     one's, told in shuffled order, asking the last person's count. Variables are a, b, c, ... in
     order of appearance in the question, so neither the sentence order nor the names give the
     chain away: the chain of thought resolves it one hop per sentence ("Mia has <<a + c>> pens."),
-    the direct answer has to follow every hop before writing the first variable."""
+    the direct answer has to follow every hop before writing the first variable.
+
+    ``restate=True`` (kind ``relations_restated``, the same problems): the chain of thought first
+    restates the sentences from the asked person down to the root, each found by the name the
+    previous one ends on ("Ivy has {a} more pens than Leo. Leo has {b} times as many pens as
+    Tom. Tom has {c} pens."), then writes the spans from the root up ("So Tom has <<c>> pens. So
+    Leo has <<c * b>> pens. ..."): every step is one name lookup and a copy."""
     hops = n_hops if n_hops is not None else rng.randint(2, 4)
     people, item = rng.sample(NAMES, hops + 1), rng.choice(ITEMS)
     # slots: per sentence the variable ids it mentions (ids are renamed by first appearance later)
@@ -191,8 +198,9 @@ def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> P
         var_id += 1
     order = list(range(hops + 1))
     rng.shuffle(order)
-    sentences_with_ids = []
+    sentences_with_ids, hop_of_sentence = [], []
     for k in order:
+        hop_of_sentence.append(k)
         if k == 0:
             sentences_with_ids.append(root)
         else:
@@ -207,12 +215,17 @@ def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> P
     sentences = [sent.format(**{k: "{" + v + "}" for k, v in names_of.items()}) for sent, _ in sentences_with_ids]
     q, prec = (f"{letter[0]} * {letter[1]}", 2) if root_bags else (letter[0], 3)
     steps = [q]
-    cot = ["Let's think step by step.", f"{people[0]} has {START}{q}{END} {item}."]
+    cot = ["Let's think step by step."]
+    if restate:
+        by_hop = dict(zip(hop_of_sentence, sentences))
+        cot += [by_hop[k] for k in range(hops, -1, -1)]
+    so = "So " if restate else ""
+    cot.append(f"{so}{people[0]} has {START}{q}{END} {item}.")
     for (_, build, p), vid, i in relations:
         q = build(_wrap(q, prec, p), letter[vid])
         prec = p
         steps.append(q)
-        cot.append(f"{people[i]} has {START}{q}{END} {item}.")
+        cot.append(f"{so}{people[i]} has {START}{q}{END} {item}.")
     sentences.append(f"How many {item} does {people[-1]} have?")
     cot.append(f"The final answer is {START}{q}{END}.")
     return Problem(
@@ -225,17 +238,81 @@ def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None) -> P
     )
 
 
-KINDS = ("steps", "relations")
+ORDINALS = ("First", "Second", "Third", "Fourth", "Fifth")
+
+
+def _lower_first(sentence: str) -> str:
+    return sentence[0].lower() + sentence[1:] if sentence.startswith("Each") else sentence
+
+
+def make_ordinal_problem(rng: random.Random, n_steps: Optional[int] = None) -> Problem:
+    """A chain of operations told out of order: after the start sentence, each operation
+    sentence is tagged with its place ("Third, Tom loses {b} apples.") and the sentences come
+    shuffled; variables are a, b, c, ... in order of appearance, so neither the text order nor the
+    letters give the order of the operations away. The chain of thought walks the operations in
+    order, restating each tagged sentence before its span ("Second, <the sentence>. So Tom has
+    <<(a + c) * d>> apples."): every step is a copy of one sentence and one local rewrite. The
+    direct answer has to sort the operations and place every parenthesis before its first token."""
+    n_ops = n_steps if n_steps is not None else rng.randint(2, 4)
+    who, item = rng.choice(NAMES), rng.choice(ITEMS)
+    bags = rng.random() < 0.5
+    n_start = 2 if bags else 1
+    start = (
+        f"{who} has {{v0}} bags with {{v1}} {item} each." if bags else f"{who} has {{v0}} {item}."
+    )
+    ops = [rng.choice(_OPS) for _ in range(n_ops)]
+    order = list(range(n_ops))
+    rng.shuffle(order)
+    # variable ids: the start's, then one per operation; letters by appearance in the question
+    letter = {i: "abcdefgh"[i] for i in range(n_start)}
+    for k in order:
+        letter[n_start + k] = "abcdefgh"[len(letter)]
+    op_sentence = [
+        f"{ORDINALS[k]}, " + _lower_first(ops[k][0].format(who=who, v="{" + letter[n_start + k] + "}", item=item))
+        for k in range(n_ops)
+    ]
+    start = start.format(v0="{a}", v1="{b}")
+    sentences = [start] + [op_sentence[k] for k in order]
+    sentences.append(f"How many {item} does {who} have at the end?")
+    q, prec = ("a * b", 2) if bags else ("a", 3)
+    steps = [q]
+    cot = ["Let's think step by step.", f"{who} starts with {START}{q}{END} {item}."]
+    for k in range(n_ops):
+        _, _, build, p = ops[k]
+        q = build(_wrap(q, prec, p), letter[n_start + k])
+        prec = p
+        steps.append(q)
+        cot.append(f"{op_sentence[k]} So {who} has {START}{q}{END} {item}.")
+    cot.append(f"The final answer is {START}{q}{END}.")
+    return Problem(
+        question=" ".join(sentences),
+        variables=tuple("abcdefgh"[: len(letter)]),
+        answer=q,
+        steps=tuple(steps),
+        cot=" ".join(cot),
+        direct=f"{START}{q}{END}",
+    )
+
+
+KINDS = ("steps", "relations", "relations_restated", "ordinal")
+# new tokens a trained model needs for a chain of thought of each kind (the ordinal kind restates
+# every sentence)
+COT_TOKENS = {"steps": 160, "relations": 160, "relations_restated": 320, "ordinal": 320}
 
 
 def make_problems(n: int, seed: int, names: str = "random", kind: str = "steps") -> list:
     """``kind="steps"``: one person, a chain of operations in order (``make_problem``);
-    ``"relations"``: a shuffled multi-hop chain of people (``make_relation_problem``)."""
+    ``"relations"``: a shuffled multi-hop chain of people (``make_relation_problem``), and
+    ``"relations_restated"`` the same problems with the restating chain of thought;
+    ``"ordinal"``: one person's operations, tagged with their places and shuffled
+    (``make_ordinal_problem``)."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
     rng = random.Random(seed)
-    if kind == "relations":
-        return [make_relation_problem(rng) for _ in range(n)]
+    if kind in ("relations", "relations_restated"):
+        return [make_relation_problem(rng, restate=kind == "relations_restated") for _ in range(n)]
+    if kind == "ordinal":
+        return [make_ordinal_problem(rng) for _ in range(n)]
     return [make_problem(rng, names=names) for _ in range(n)]
 
 

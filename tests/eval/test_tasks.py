@@ -6,6 +6,8 @@ import fractions
 import random
 import re
 
+import pytest
+
 from pallasite.eval.tasks import folio, traces
 from pallasite.eval.tasks import gsm_symbolic as G
 from pallasite.inference.constrained import Constraint, HostSession, TokenBytes
@@ -85,11 +87,34 @@ def _solve_relations(question: str, values: dict) -> int:
     return have[asked]
 
 
-def test_relation_problems_are_shuffled_multi_hop_chains_the_gold_answer_solves():
-    problems = G.make_problems(60, 3, kind="relations")
+def _restated_chain(p) -> list:
+    """The sentences a relations_restated chain of thought restates, checked to walk the chain
+    from the asked person to the root, each sentence found by the name the previous one ends on."""
+    sentences = [s for s in re.split(r"(?<=[.?]) ", p.question) if not s.startswith("How")]
+    who = re.search(r"does (\w+) have", p.question).group(1)
+    chain = []
+    while True:
+        (sent,) = [s for s in sentences if s.startswith(who + " ")]
+        chain.append(sent)
+        refs = [n for n in re.findall(r"\b[A-Z]\w+", sent[len(who) :]) if n in G.NAMES]
+        if not refs:
+            return chain
+        (who,) = refs
+
+
+@pytest.mark.parametrize("kind", ["relations", "relations_restated"])
+def test_relation_problems_are_shuffled_multi_hop_chains_the_gold_answer_solves(kind):
+    problems = G.make_problems(60, 3, kind=kind)
+    assert [p.question for p in problems] == [p.question for p in G.make_problems(60, 3, kind="relations")]
     rng = random.Random(1)
     root_first = 0
     for p in problems:
+        chain = _restated_chain(p)
+        restated = " ".join(chain)
+        assert (restated in p.cot) == (kind == "relations_restated"), p.cot
+        if kind == "relations_restated":  # restated down to the root, then the spans from the root up
+            assert p.cot.index(restated) < p.cot.index(G.START)
+            assert len(chain) == len(p.steps)
         assert p.variables == tuple("abcdefgh"[: len(p.variables)])  # named by first appearance
         assert G.last_span(p.cot) == p.answer and G.last_span(p.direct) == p.answer
         grammar = G.answer_grammar(p.variables)
@@ -128,3 +153,53 @@ def test_folio_problems_are_balanced_and_the_program_grammar_accepts_them():
         assert folio.evaluate(p.program) == p.label
         assert _accepts(g, p.program)
     assert not _accepts(g, "Predicates:\nCat(x)\nPremises:\nCat(rex) {and}\nConclusion:\nCat(rex)\n")
+
+
+def _solve_ordinal(question: str, values: dict) -> int:
+    """An independent reader of an ordinal problem: apply the tagged sentences in tag order."""
+    sentences = [s for s in re.split(r"(?<=[.?]) ", question) if not s.startswith("How")]
+    m = re.match(r"\w+ has \{(\w+)\} bags with \{(\w+)\} \w+ each\.$", sentences[0])
+    count = values[m[1]] * values[m[2]] if m else values[re.match(r"\w+ has \{(\w+)\} \w+\.$", sentences[0])[1]]
+    places = ["First", "Second", "Third", "Fourth", "Fifth"]
+    tagged = sorted(sentences[1:], key=lambda s: places.index(s.split(",")[0]))
+    apply = [
+        (r"buys \{(\w+)\} more", lambda c, v: c + v),
+        (r"(gives|loses) \{(\w+)\}", lambda c, v: c - v),
+        (r"traded for \{(\w+)\}", lambda c, v: c * v),
+        (r"equally among \{(\w+)\}", lambda c, v: c // v),
+        (r"boxes of \{(\w+)\}", lambda c, v: c % v),
+    ]
+    for place, sent in zip(places, tagged):
+        assert sent.startswith(place + ", "), (place, sent)  # one sentence per place, none missing
+        for pattern, op in apply:
+            hit = re.search(pattern, sent)
+            if hit:
+                count = op(count, values[hit.groups()[-1]])
+                break
+        else:
+            raise AssertionError(f"unread sentence {sent!r}")
+    return count
+
+
+def test_ordinal_problems_are_shuffled_tagged_chains_the_gold_answer_solves():
+    problems = G.make_problems(80, 5, kind="ordinal")
+    rng = random.Random(2)
+    in_order = 0
+    for p in problems:
+        assert p.variables == tuple("abcdefgh"[: len(p.variables)])  # named by first appearance
+        assert re.findall(r"\{(\w+)\}", p.question) == list(p.variables)
+        assert G.last_span(p.cot) == p.answer and G.last_span(p.direct) == p.answer
+        grammar = G.answer_grammar(p.variables)
+        for step in p.steps:
+            assert _accepts(grammar, f"<<{step}>>")
+        tagged = [s for s in re.split(r"(?<=[.?]) ", p.question) if s.split(",")[0] in G.ORDINALS]
+        assert all(s in p.cot for s in tagged)  # the chain of thought restates every tagged sentence
+        for _ in range(5):
+            values = {v: rng.randint(1, 30) for v in p.variables}
+            gold = G._evaluate(
+                ast.parse(p.answer, mode="eval").body, {k: fractions.Fraction(v) for k, v in values.items()}
+            )
+            assert _solve_ordinal(p.question, values) == gold, p.question
+        in_order += [s.split(",")[0] for s in tagged] == list(G.ORDINALS[: len(tagged)])
+    assert 5 < in_order < 50  # the tagged sentences are shuffled, sometimes in order by chance
+    assert len({len(p.steps) for p in problems}) == 3  # 2-4 operations after the start
