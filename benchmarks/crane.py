@@ -6,10 +6,13 @@
     python -m pallasite.benchmarks.crane --json-schema      # tool-call JSON on SmolLM2: valid-output rate
     python -m pallasite.benchmarks.crane --masking          # CRANE: opportunistic vs always-mask (+ overlap)
     python -m pallasite.benchmarks.crane --quick --gsm-kind relations   # the shuffled multi-hop GSM variant
+    python -m pallasite.benchmarks.crane --quick --gsm-kind relations_restated   # same, CoT restates the chain
+    python -m pallasite.benchmarks.crane --quick --gsm-kind ordinal     # operations tagged First, ... and shuffled
     python -m pallasite.benchmarks.crane_engines            # llguidance vs XGrammar: compile / mask times
 
 The task models are ``pallasite train`` runs of ``configs/crane/{gsm,folio}.py`` in ``--models``
-(trained there first when missing: ~10 min each on 2 cores). Problems come from the evaluation
+(trained there first when missing: ~10 min each on 2 cores; the ordinal and relations_restated
+GSM kinds train a wider model on longer rows, ~27 / ~75 min). Problems come from the evaluation
 seed (never the training seed). Greedy decoding (the paper's T = 0). Accuracy: GSM, the last
 ``<< ... >>`` span equals the gold expression (z3, floor ``//``; random-substitution fallback);
 FOLIO, the label z3 derives from the program equals the gold label. Parse rate: the final answer

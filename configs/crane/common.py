@@ -11,9 +11,12 @@ from pallasite.errors import ConfigError
 from pallasite.eval.tasks import gsm_symbolic, traces
 from pallasite.training.config import parse_arg, train_defaults
 
+# the steps the wide GSM kinds were trained for in docs/constrained.md
+WIDE_GSM_STEPS = {"ordinal": 900, "relations_restated": 2400}
+
 
 def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
-    arg = parse_arg(arg, data="", n=n_problems, steps=steps, cpu=False, kind=traces.GSM_KIND)
+    arg = parse_arg(arg, data="", n=n_problems, steps=0, cpu=False, kind=traces.GSM_KIND)
     if task == "gsm" and arg.kind not in gsm_symbolic.KINDS:
         raise ConfigError(f"config arg kind={arg.kind!r}; expected one of {gsm_symbolic.KINDS}")
     root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(
@@ -48,13 +51,14 @@ def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
         # model (docs/constrained.md)
         c.data.seq_len = 512
         c.model.update(d_model=128, d_ff=384)
+        steps = WIDE_GSM_STEPS[arg.kind]
     c.data.batch_size = 16
     c.data.eval_batches = 4
     c.optim.lr = 3e-3
     c.optim.warmup_steps = 30
     c.optim.min_lr_ratio = 0.05
     c.optim.weight_decay = 0.05
-    c.train.steps = arg.steps
+    c.train.steps = arg.steps or steps
     c.train.log_every = 50
     c.train.eval_every = 0
     c.train.checkpoint_every = 0

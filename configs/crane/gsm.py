@@ -3,10 +3,13 @@
     pallasite train --config configs/crane/gsm.py --workdir /tmp/crane_gsm
     pallasite train --config configs/crane/gsm.py:kind=relations,steps=1500 --workdir /tmp/crane_gsm_relations \
         --config.model.d_model=128 --config.model.d_ff=384      # the multi-hop variant, docs/constrained.md
-    pallasite train --config configs/crane/gsm.py:kind=ordinal,steps=1000 --workdir /tmp/crane_models/gsm_ordinal
+    pallasite train --config configs/crane/gsm.py:kind=ordinal,steps=900 --workdir /tmp/crane_models/gsm_ordinal
+    pallasite train --config configs/crane/gsm.py:kind=relations_restated,steps=2400 \
+        --workdir /tmp/crane_models/gsm_relations_restated
 
-``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``, ``kind=steps|relations|ordinal``
-(``eval.tasks.gsm_symbolic.make_problems``), ``cpu`` (smoke).
+``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``,
+``kind=steps|relations|relations_restated|ordinal`` (``eval.tasks.gsm_symbolic.make_problems``; the
+last two: d_model 128, d_ff 384, rows of 512 tokens, 2400 / 900 steps), ``cpu`` (smoke).
 """
 
 from pallasite.configs.crane.common import task_config
