@@ -363,7 +363,8 @@ def main(argv=None):
         default="",
         choices=("", "steps", "relations", "relations_restated", "ordinal"),
         help="GSM problems: steps (default; one person, operations in order), relations "
-        "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations) or ordinal "
+        "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations), "
+        "relations_restated (the same problems, a CoT that restates the chain first) or ordinal "
         "(one person's operations tagged First, Second, ... and shuffled; MODELS/gsm_ordinal)",
     )
     ap.add_argument("--batch-size", type=int, default=48)

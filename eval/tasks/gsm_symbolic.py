@@ -9,7 +9,8 @@ extending the previous one, and ends "The final answer is << ... >>." (the paper
 Variable names are drawn per problem (``names="random"``), or are a, b, c, ... in order
 (``"positional"``: the answer depends on the operations alone; what a 0.5M-parameter model
 trained for minutes can learn). ``make_problems(kind="relations")`` builds multi-hop problems
-instead: a chain of people, each count defined from the previous person's, told in shuffled order;
+instead: a chain of people, each count defined from the previous person's, told in shuffled order
+(``"relations_restated"``: the same problems, a chain of thought that restates the chain first);
 ``kind="ordinal"`` one person's operations tagged "First, ... Third, ..." and told shuffled.
 
 ``equivalent(a, b, types)`` decides expression equivalence with z3 over positive integers (``//``
@@ -257,9 +258,7 @@ def make_ordinal_problem(rng: random.Random, n_steps: Optional[int] = None) -> P
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
     bags = rng.random() < 0.5
     n_start = 2 if bags else 1
-    start = (
-        f"{who} has {{v0}} bags with {{v1}} {item} each." if bags else f"{who} has {{v0}} {item}."
-    )
+    start = f"{who} has {{a}} bags with {{b}} {item} each." if bags else f"{who} has {{a}} {item}."
     ops = [rng.choice(_OPS) for _ in range(n_ops)]
     order = list(range(n_ops))
     rng.shuffle(order)
@@ -271,7 +270,6 @@ def make_ordinal_problem(rng: random.Random, n_steps: Optional[int] = None) -> P
         f"{ORDINALS[k]}, " + _lower_first(ops[k][0].format(who=who, v="{" + letter[n_start + k] + "}", item=item))
         for k in range(n_ops)
     ]
-    start = start.format(v0="{a}", v1="{b}")
     sentences = [start] + [op_sentence[k] for k in order]
     sentences.append(f"How many {item} does {who} have at the end?")
     q, prec = ("a * b", 2) if bags else ("a", 3)
