@@ -46,7 +46,7 @@ def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
     c.data.paths = (path,)
     c.data.heldout_percent = 2
     c.data.seq_len = seq_len
-    if task == "gsm" and arg.kind in ("ordinal", "relations_restated"):
+    if task == "gsm" and arg.kind in WIDE_GSM_STEPS:
         # its traces restate every sentence (~300 tokens): whole problems in a row, and a wider
         # model (docs/constrained.md)
         c.data.seq_len = 512

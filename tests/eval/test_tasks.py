@@ -194,6 +194,8 @@ def test_ordinal_problems_are_shuffled_tagged_chains_the_gold_answer_solves():
             assert _accepts(grammar, f"<<{step}>>")
         tagged = [s for s in re.split(r"(?<=[.?]) ", p.question) if s.split(",")[0] in G.ORDINALS]
         assert all(s in p.cot for s in tagged)  # the chain of thought restates every tagged sentence
+        by_place = sorted(tagged, key=lambda s: G.ORDINALS.index(s.split(",")[0]))
+        assert [p.cot.index(s) for s in by_place] == sorted(p.cot.index(s) for s in tagged)  # in place order
         for _ in range(5):
             values = {v: rng.randint(1, 30) for v in p.variables}
             gold = G._evaluate(
