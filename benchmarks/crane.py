@@ -8,16 +8,19 @@
     python -m pallasite.benchmarks.crane --quick --gsm-kind relations   # the shuffled multi-hop GSM variant
     python -m pallasite.benchmarks.crane --quick --gsm-kind relations_restated   # same, CoT restates the chain
     python -m pallasite.benchmarks.crane --quick --gsm-kind ordinal     # operations tagged First, ... and shuffled
+    python -m pallasite.benchmarks.crane --quick --gsm-kind relations_many_names   # restated, 48 names
     python -m pallasite.benchmarks.crane_engines            # llguidance vs XGrammar: compile / mask times
 
 The task models are ``pallasite train`` runs of ``configs/crane/{gsm,folio}.py`` in ``--models``
-(trained there first when missing: ~10 min each on 2 cores; the ordinal and relations_restated
-GSM kinds train a wider model on longer rows, ~27 / ~75 min). Problems come from the evaluation
-seed (never the training seed). Greedy decoding (the paper's T = 0). Accuracy: GSM, the last
+(trained there first when missing: ~10 min each on 2 cores; the ordinal, relations_restated and
+relations_many_names GSM kinds train a wider model on longer rows, ~27 / ~75 / ~47 min). Problems
+come from the evaluation seed (never the training seed). Greedy decoding (the paper's T = 0). Accuracy: GSM, the last
 ``<< ... >>`` span equals the gold expression (z3, floor ``//``; random-substitution fallback);
 FOLIO, the label z3 derives from the program equals the gold label. Parse rate: the final answer
 span (GSM) / the program (FOLIO) parses. ``mask_ms_per_step``: host milliseconds computing masks
-per decode step of the CRANE run (whole batch). The last line is one JSON object.
+per decode step of the CRANE run (whole batch). ``chain_right_<mode>`` (the restating GSM kinds):
+the share of answers whose chain of thought restates the whole chain exactly as the gold one does.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +54,11 @@ def gsm_task(kind: str = ""):
         ans = T.last_span(text)
         return T.equivalent(ans, p.answer, p.variable_types), T.parses(ans)
 
+    def chain_right(text, p):
+        """The chain of thought restates the gold chain's sentences, in order (restating kinds)."""
+        n = len(p.steps)  # one restated sentence per person: the root and every hop
+        return _sentences(text)[:n] == _sentences(p.cot)[:n]
+
     return dict(
         name="gsm",
         prompt=T.prompt,
@@ -59,7 +68,14 @@ def gsm_task(kind: str = ""):
         score=score,
         make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES, kind),
         modes=("unconstrained", "constrained", "cot", "crane"),
+        chain_right=chain_right if kind in ("relations_restated", "relations_many_names") else None,
     )
+
+
+def _sentences(text: str) -> list:
+    """The sentences after the CoT opener, whitespace-stripped."""
+    body = text.split("Let's think step by step.", 1)[-1]
+    return [s.strip() for s in re.findall(r"[^.]*\.", body)]
 
 
 def gsm_cot_tokens(kind: str = "") -> int:
@@ -168,6 +184,10 @@ def run_task(
             example=r.texts[0],
             texts=r.texts,
         )
+        if task.get("chain_right") and mode in ("cot", "crane"):
+            rows[mode]["chain_right"] = float(
+                np.mean([task["chain_right"](t, p) for t, p in zip(r.texts, problems)])
+            )
     return rows
 
 
@@ -180,6 +200,7 @@ def print_table(name, rows):
         print(
             f"  {mode:13s} | {r['acc']:.3f} | {r['parse']:.3f} | {r['seconds']:.1f} | "
             f"{st.get('mask_ms_per_step', 0):.3f} | {st.get('invalid_proposals', '-')}"
+            + (f" | chain restated right {r['chain_right']:.3f}" if "chain_right" in r else "")
         )
 
 
@@ -361,10 +382,11 @@ def main(argv=None):
     ap.add_argument(
         "--gsm-kind",
         default="",
-        choices=("", "steps", "relations", "relations_restated", "ordinal"),
+        choices=("", "steps", "relations", "relations_restated", "relations_many_names", "ordinal"),
         help="GSM problems: steps (default; one person, operations in order), relations "
         "(shuffled multi-hop chains of people; its model in MODELS/gsm_relations), "
-        "relations_restated (the same problems, a CoT that restates the chain first) or ordinal "
+        "relations_restated (the same problems, a CoT that restates the chain first), "
+        "relations_many_names (those problems with 48 names, not 12) or ordinal "
         "(one person's operations tagged First, Second, ... and shuffled; MODELS/gsm_ordinal)",
     )
     ap.add_argument("--batch-size", type=int, default=48)
@@ -434,6 +456,8 @@ def main(argv=None):
             prefix = "" if name == "gsm" else "folio_"
             summary[f"{prefix}acc_{key}"] = round(r["acc"], 4)
             summary[f"{prefix}parse_rate_{key}"] = round(r["parse"], 4)
+            if "chain_right" in r:
+                summary[f"chain_right_{key}"] = round(r["chain_right"], 4)
         crane = rows["crane"]["stats"]
         if name == "gsm":
             summary["mask_ms_per_step"] = round(crane["mask_ms_per_step"], 4)

@@ -12,13 +12,16 @@ from pallasite.eval.tasks import gsm_symbolic, traces
 from pallasite.training.config import parse_arg, train_defaults
 
 # the steps the wide GSM kinds were trained for in docs/constrained.md
-WIDE_GSM_STEPS = {"ordinal": 900, "relations_restated": 2400}
+WIDE_GSM_STEPS = {"ordinal": 900, "relations_restated": 2400, "relations_many_names": 1800}
+# problems per GSM kind where not the task's default (its model needs the variety to learn to copy)
+GSM_PROBLEMS = {"relations_many_names": 40000}
 
 
 def task_config(task: str, arg, *, n_problems: int, steps: int, seq_len: int):
-    arg = parse_arg(arg, data="", n=n_problems, steps=0, cpu=False, kind=traces.GSM_KIND)
+    arg = parse_arg(arg, data="", n=0, steps=0, cpu=False, kind=traces.GSM_KIND)
     if task == "gsm" and arg.kind not in gsm_symbolic.KINDS:
         raise ConfigError(f"config arg kind={arg.kind!r}; expected one of {gsm_symbolic.KINDS}")
+    arg.n = arg.n or (GSM_PROBLEMS.get(arg.kind, n_problems) if task == "gsm" else n_problems)
     root = os.environ.get("PALLASITE_CRANE_DATA") or os.path.join(
         tempfile.gettempdir(), "pallasite_crane"
     )

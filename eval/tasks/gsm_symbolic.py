@@ -31,6 +31,12 @@ from typing import Optional
 
 START, END = "<<", ">>"
 NAMES = ("Tom", "Mia", "Ava", "Leo", "Sam", "Zoe", "Max", "Ivy", "Ben", "Eli", "Noa", "Kai")
+# kind "relations_many_names": 48 names, NAMES first. With only 12 a small model never learned to
+# copy a name (it wrote a plausible one); with many, guessing stops paying (docs/constrained.md)
+MANY_NAMES = NAMES + tuple(
+    "Ann Bob Cal Dan Eve Fay Gus Hal Ida Jon Kim Lou Meg Ned Oto Pam Quin Ray Sue Ted Uma Val Wes Xia "
+    "Yan Zed Amy Bo Cy Di Ed Flo Gia Hu Jo Lia".split()
+)
 ITEMS = (
     "apples",
     "marbles",
@@ -172,7 +178,9 @@ _RELATIONS = (
 )
 
 
-def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None, restate: bool = False) -> Problem:
+def make_relation_problem(
+    rng: random.Random, n_hops: Optional[int] = None, restate: bool = False, names: tuple = NAMES
+) -> Problem:
     """A multi-hop problem: a chain of people, each person's count defined from the previous
     one's, told in shuffled order, asking the last person's count. Variables are a, b, c, ... in
     order of appearance in the question, so neither the sentence order nor the names give the
@@ -183,9 +191,10 @@ def make_relation_problem(rng: random.Random, n_hops: Optional[int] = None, rest
     restates the sentences from the asked person down to the root, each found by the name the
     previous one ends on ("Ivy has {a} more pens than Leo. Leo has {b} times as many pens as
     Tom. Tom has {c} pens."), then writes the spans from the root up ("So Tom has <<c>> pens. So
-    Leo has <<c * b>> pens. ..."): every step is one name lookup and a copy."""
+    Leo has <<c * b>> pens. ..."): every step is one name lookup and a copy. ``names``: the pool
+    the people are drawn from (``MANY_NAMES`` for kind ``relations_many_names``)."""
     hops = n_hops if n_hops is not None else rng.randint(2, 4)
-    people, item = rng.sample(NAMES, hops + 1), rng.choice(ITEMS)
+    people, item = rng.sample(names, hops + 1), rng.choice(ITEMS)
     # slots: per sentence the variable ids it mentions (ids are renamed by first appearance later)
     root_bags = rng.random() < 0.5
     root = (
@@ -292,21 +301,24 @@ def make_ordinal_problem(rng: random.Random, n_steps: Optional[int] = None) -> P
     )
 
 
-KINDS = ("steps", "relations", "relations_restated", "ordinal")
+KINDS = ("steps", "relations", "relations_restated", "relations_many_names", "ordinal")
 # new tokens a trained model needs for a chain of thought of each kind (the ordinal kind restates
 # every sentence)
-COT_TOKENS = {"steps": 160, "relations": 160, "relations_restated": 320, "ordinal": 320}
+COT_TOKENS = {"steps": 160, "relations": 160, "relations_restated": 320, "relations_many_names": 320, "ordinal": 320}
 
 
 def make_problems(n: int, seed: int, names: str = "random", kind: str = "steps") -> list:
     """``kind="steps"``: one person, a chain of operations in order (``make_problem``);
     ``"relations"``: a shuffled multi-hop chain of people (``make_relation_problem``), and
-    ``"relations_restated"`` the same problems with the restating chain of thought;
+    ``"relations_restated"`` the same problems with the restating chain of thought, and
+    ``"relations_many_names"`` those problems with people drawn from 48 names (``MANY_NAMES``);
     ``"ordinal"``: one person's operations, tagged with their places and shuffled
     (``make_ordinal_problem``)."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
     rng = random.Random(seed)
+    if kind == "relations_many_names":
+        return [make_relation_problem(rng, restate=True, names=MANY_NAMES) for _ in range(n)]
     if kind in ("relations", "relations_restated"):
         return [make_relation_problem(rng, restate=kind == "relations_restated") for _ in range(n)]
     if kind == "ordinal":
@@ -502,6 +514,8 @@ __all__ = [
     "make_problems",
     "make_relation_problem",
     "KINDS",
+    "NAMES",
+    "MANY_NAMES",
     "prompt",
     "training_text",
     "last_span",

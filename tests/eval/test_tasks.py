@@ -75,7 +75,7 @@ def _solve_relations(question: str, values: dict) -> int:
             for pattern, value in rules:
                 m = re.search(pattern, sent)
                 if m:
-                    refs = [g for g in m.groups()[1:] if g in G.NAMES]
+                    refs = [g for g in m.groups()[1:] if g in G.MANY_NAMES]
                     if all(r in have for r in refs):
                         have[m[1]] = value(m, have)
                         pending.remove(sent)
@@ -96,23 +96,27 @@ def _restated_chain(p) -> list:
     while True:
         (sent,) = [s for s in sentences if s.startswith(who + " ")]
         chain.append(sent)
-        refs = [n for n in re.findall(r"\b[A-Z]\w+", sent[len(who) :]) if n in G.NAMES]
+        refs = [n for n in re.findall(r"\b[A-Z]\w+", sent[len(who) :]) if n in G.MANY_NAMES]
         if not refs:
             return chain
         (who,) = refs
 
 
-@pytest.mark.parametrize("kind", ["relations", "relations_restated"])
+@pytest.mark.parametrize("kind", ["relations", "relations_restated", "relations_many_names"])
 def test_relation_problems_are_shuffled_multi_hop_chains_the_gold_answer_solves(kind):
     problems = G.make_problems(60, 3, kind=kind)
-    assert [p.question for p in problems] == [p.question for p in G.make_problems(60, 3, kind="relations")]
+    same_as_relations = [p.question for p in problems] == [p.question for p in G.make_problems(60, 3, kind="relations")]
+    assert same_as_relations == (kind != "relations_many_names")
+    if kind == "relations_many_names":  # people from the 48-name pool, also beyond the 12
+        used = {n for p in problems for n in re.findall(r"\b[A-Z]\w+", p.question) if n in G.MANY_NAMES}
+        assert len(used - set(G.NAMES)) > 20, used
     rng = random.Random(1)
     root_first = 0
     for p in problems:
         chain = _restated_chain(p)
         restated = " ".join(chain)
-        assert (restated in p.cot) == (kind == "relations_restated"), p.cot
-        if kind == "relations_restated":  # restated down to the root, then the spans from the root up
+        assert (restated in p.cot) == (kind != "relations"), p.cot
+        if kind != "relations":  # restated down to the root, then the spans from the root up
             assert p.cot.index(restated) < p.cot.index(G.START)
             assert len(chain) == len(p.steps)
         assert p.variables == tuple("abcdefgh"[: len(p.variables)])  # named by first appearance
@@ -205,3 +209,21 @@ def test_ordinal_problems_are_shuffled_tagged_chains_the_gold_answer_solves():
         in_order += [s.split(",")[0] for s in tagged] == list(G.ORDINALS[: len(tagged)])
     assert 5 < in_order < 50  # the tagged sentences are shuffled, sometimes in order by chance
     assert len({len(p.steps) for p in problems}) == 3  # 2-4 operations after the start
+
+
+def test_benchmark_chain_right_reads_the_restated_chain():
+    """benchmarks/crane.py's chain diagnostic: the gold chain of thought restates the chain; the
+    same text with the asked name changed, or with the last two restated sentences swapped, does not."""
+    from pallasite.benchmarks.crane import gsm_task
+
+    task = gsm_task("relations_many_names")
+    problems = task["make"](20, 5)
+    assert all(task["chain_right"](p.cot, p) for p in problems)
+    for p in problems:
+        chain = _restated_chain(p)
+        who = chain[0].split()[0]
+        other = next(n for n in G.MANY_NAMES if n not in p.question)
+        assert not task["chain_right"](p.cot.replace(f" {who} ", f" {other} ", 1), p)
+        swapped = p.cot.replace(chain[-2], "@").replace(chain[-1], chain[-2]).replace("@", chain[-1])
+        assert not task["chain_right"](swapped, p)
+    assert gsm_task("steps")["chain_right"] is None
