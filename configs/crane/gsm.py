@@ -6,10 +6,13 @@
     pallasite train --config configs/crane/gsm.py:kind=ordinal,steps=900 --workdir /tmp/crane_models/gsm_ordinal
     pallasite train --config configs/crane/gsm.py:kind=relations_restated,steps=2400 \
         --workdir /tmp/crane_models/gsm_relations_restated
+    pallasite train --config configs/crane/gsm.py:kind=relations_many_names \
+        --workdir /tmp/crane_models/gsm_relations_many_names    # 40000 problems, 1800 steps
 
 ``arg``: ``data=PATH`` (traces jsonl; written if missing), ``n=``, ``steps=``,
-``kind=steps|relations|relations_restated|ordinal`` (``eval.tasks.gsm_symbolic.make_problems``; the
-last two: d_model 128, d_ff 384, rows of 512 tokens, 2400 / 900 steps), ``cpu`` (smoke).
+``kind=steps|relations|relations_restated|relations_many_names|ordinal``
+(``eval.tasks.gsm_symbolic.make_problems``; the last three: d_model 128, d_ff 384, rows of 512 tokens,
+2400 / 1800 / 900 steps; relations_many_names 40000 problems), ``cpu`` (smoke).
 """
 
 from pallasite.configs.crane.common import task_config

@@ -10,7 +10,8 @@ Variable names are drawn per problem (``names="random"``), or are a, b, c, ... i
 (``"positional"``: the answer depends on the operations alone; what a 0.5M-parameter model
 trained for minutes can learn). ``make_problems(kind="relations")`` builds multi-hop problems
 instead: a chain of people, each count defined from the previous person's, told in shuffled order
-(``"relations_restated"``: the same problems, a chain of thought that restates the chain first);
+(``"relations_restated"``: the same problems, a chain of thought that restates the chain first;
+``"relations_many_names"``: those, with the people drawn from 48 names);
 ``kind="ordinal"`` one person's operations tagged "First, ... Third, ..." and told shuffled.
 
 ``equivalent(a, b, types)`` decides expression equivalence with z3 over positive integers (``//``
