@@ -68,7 +68,7 @@ def gsm_task(kind: str = ""):
         score=score,
         make=lambda n, seed: T.make_problems(n, seed, GSM_NAMES, kind),
         modes=("unconstrained", "constrained", "cot", "crane"),
-        chain_right=chain_right if kind in ("relations_restated", "relations_many_names") else None,
+        chain_right=chain_right if kind in T.RESTATING_KINDS else None,
     )
 
 

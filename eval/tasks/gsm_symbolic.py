@@ -303,6 +303,8 @@ def make_ordinal_problem(rng: random.Random, n_steps: Optional[int] = None) -> P
 
 
 KINDS = ("steps", "relations", "relations_restated", "relations_many_names", "ordinal")
+# the kinds whose chain of thought restates the chain, asked person first, before any span
+RESTATING_KINDS = ("relations_restated", "relations_many_names")
 # new tokens a trained model needs for a chain of thought of each kind (the ordinal kind restates
 # every sentence)
 COT_TOKENS = {"steps": 160, "relations": 160, "relations_restated": 320, "relations_many_names": 320, "ordinal": 320}
@@ -521,6 +523,7 @@ __all__ = [
     "make_problems",
     "make_relation_problem",
     "KINDS",
+    "RESTATING_KINDS",
     "NAMES",
     "MANY_NAMES",
     "prompt",

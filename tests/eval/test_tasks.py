@@ -43,7 +43,7 @@ def test_substitution_refutes_before_z3_and_z3_still_decides_what_it_cannot(monk
     # beyond the substitutions' range (1-100): only z3 finds a = 200
     assert not G.equivalent("a + a // 200", "a", INT) and G.random_equivalent("a + a // 200", "a", ["a"])
     # a wrong nonlinear answer (a trained model's) is refuted without z3, which spent its whole 5 s
-    # timeout on it (192 of them made one benchmark run 16 min)
+    # timeout on it (scoring 192 such answers had not finished after 10 min)
     monkeypatch.setattr(z3, "Solver", lambda: (_ for _ in ()).throw(AssertionError("z3 called")))
     assert not G.equivalent("(b - c) // a", "b // a - c", INT)
     assert not G.equivalent("d * e % c * b - a", "(d * e * b - a) % c", {v: "int" for v in "abcde"})
