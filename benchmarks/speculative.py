@@ -28,117 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _drafter_dir(args) -> str:
-    root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
-    tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
-    if args.distill_prompts:
-        tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
-    return os.path.join(root, tag)
+from pallasite.benchmarks.spec_drafter import distill_texts, train_drafter, train_target_drafter
 
 
-def distill_texts(args, target, texts):
-    """Sequence-level distillation data (Kim & Rush 2016; what drafters are trained on in
-    practice): the target's own greedy continuations of ``--distill-prompts`` windows of
-    ``--prompt-tokens`` target tokens cut from ``texts`` (the training split), ``--distill-new-tokens``
-    each, generated in batches of 32 and returned as text (prompt + continuation), so the drafter —
-    whatever its tokenizer — learns what the target says next, not only the corpus. Kept in
-    ``distill.json`` of the drafter folder."""
-    from pallasite.inference.config import GenerationConfig
-    from pallasite.inference.engine import generate_ids
-
-    folder = _drafter_dir(args)
-    cache = os.path.join(folder, "distill.json")
-    if os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)
-    rng = np.random.default_rng(1)
-    prompts = []
-    while len(prompts) < args.distill_prompts:
-        ids = target.encode(texts[int(rng.integers(len(texts)))])
-        if len(ids) > args.prompt_tokens:
-            s = int(rng.integers(0, len(ids) - args.prompt_tokens))
-            prompts.append(ids[s: s + args.prompt_tokens])
-    gen = GenerationConfig(max_new_tokens=args.distill_new_tokens, stop_tokens=())
-    out, t0 = [], time.perf_counter()
-    for b in range(0, len(prompts), 32):
-        rows = prompts[b: b + 32]
-        for p, new in zip(rows, generate_ids(target.graphdef, target.state, target.config, rows, gen)):
-            out.append(target.tokenizer.decode(list(p) + list(new)))
-        print(f"  distill: {len(out)}/{len(prompts)} target continuations, {time.perf_counter() - t0:.0f} s",
-              flush=True)
-    os.makedirs(folder, exist_ok=True)
-    with open(cache, "w") as f:
-        json.dump(out, f)
-    return out
-
-
-def train_drafter(args, texts, distilled=()):
-    """(Model, seconds) a small Llama with its own byte-level BPE tokenizer, trained on ``texts``
-    and, where given, the target's ``distilled`` continuations (half of every batch from them)."""
-    import optax
-    from flax import nnx
-
-    import pallasite
-    from pallasite.models.config import ModelConfig
-    from pallasite.models.tokenizer import train_bpe
-    from pallasite.models.transformer import forward, init_model
-
-    folder = _drafter_dir(args)
-    if os.path.exists(os.path.join(folder, "done")):
-        return pallasite.load(folder), 0.0
-    t0 = time.perf_counter()
-    tok = train_bpe(list(texts) + list(distilled), args.drafter_vocab)
-    eos = tok.eos_token_id
-
-    def stream(docs):
-        return np.concatenate([np.asarray(tok.encode(t) + [eos], np.int32) for t in docs]) if docs else None
-
-    ids, kd_ids = stream(list(texts)), stream(list(distilled))
-    cfg = ModelConfig(vocab_size=len(tok), d_model=args.drafter_d, n_layers=args.drafter_layers,
-                      n_heads=max(2, args.drafter_d // 64), n_kv_heads=max(1, args.drafter_d // 128),
-                      d_ff=args.drafter_d * 8 // 3 // 32 * 32, max_seq_len=4096, tie_embeddings=True,
-                      eos_token_id=(eos,), bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    g, state = nnx.split(init_model(cfg, seed=0))
-    params = nnx.to_pure_dict(state)
-    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, args.drafter_steps, 3e-4)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    opt_state = opt.init(params)
-
-    def loss_fn(p, batch):
-        st = nnx.State(state)
-        nnx.replace_by_pure_dict(st, p)
-        logits = forward(g, st, batch[:, :-1])[0]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    @jax.jit
-    def update(p, o, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-        upd, o = opt.update(grads, o, p)
-        return optax.apply_updates(p, upd), o, loss
-
-    rng = np.random.default_rng(0)
-    seq, bs = 128, 16
-    for step in range(args.drafter_steps):
-        sources = [ids] * bs if kd_ids is None else [ids] * (bs // 2) + [kd_ids] * (bs - bs // 2)
-        batch = jnp.asarray(np.stack([src[s: s + seq + 1] for src in sources
-                                      for s in [int(rng.integers(0, len(src) - seq - 1))]]))
-        params, opt_state, loss = update(params, opt_state, batch)
-        if step % 200 == 0 or step == args.drafter_steps - 1:
-            print(f"  drafter step {step}: loss {float(loss):.3f}", flush=True)
-    nnx.replace_by_pure_dict(state, params)
-    model = pallasite.Model(cfg, state, tok, g)
-    os.makedirs(folder, exist_ok=True)
-    model.save(folder, format="orbax")
-    open(os.path.join(folder, "done"), "w").close()
-    return pallasite.load(folder), time.perf_counter() - t0
+def make_drafter(args, target, train):
+    """(drafter Model, training seconds) per ``--drafter-init`` (``benchmarks/spec_drafter.py``)."""
+    if args.drafter_init == "target":
+        return train_target_drafter(args, target, train)
+    return train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())
 
 
 def _timed(fn):
@@ -294,7 +197,7 @@ def real_pair(args):
         from pallasite.training.data import stdlib_texts
 
         train = stdlib_texts("train", max_bytes=args.corpus_bytes)
-        drafter = train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())[0]
+        drafter = make_drafter(args, target, train)[0]
     else:
         drafter = _load_offline(d_name)
     cfg, g, st = target.config, target.graphdef, target.state
@@ -344,6 +247,13 @@ def main(argv=None):
     ap.add_argument("--schedule", default="constant", choices=("constant", "heuristic"))
     ap.add_argument("--methods", default="tli,slem")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--drafter-init", default="scratch", choices=("scratch", "target"),
+                    help="scratch: a small Llama with its own BPE; target: SmolLM2's tokenizer pruned to "
+                         "--drafter-vocab tokens, its embeddings and first --drafter-layers blocks, distilled on "
+                         "the target's teacher-forced greedy tokens")
+    ap.add_argument("--label-windows", type=int, default=2048,
+                    help="--drafter-init target: windows of 144 target tokens labelled by the target")
+    ap.add_argument("--drafter-lr", type=float, default=3e-4, help="--drafter-init target: peak learning rate")
     ap.add_argument("--drafter-vocab", type=int, default=2048)
     ap.add_argument("--drafter-d", type=int, default=192)
     ap.add_argument("--drafter-layers", type=int, default=4)
@@ -384,8 +294,7 @@ def main(argv=None):
         if len(target.tokenizer) != len(tok):
             raise SystemExit(f"--target {args.target}: not SmolLM2-135M (vocabulary {len(target.tokenizer)})")
     train = stdlib_texts("train", max_bytes=args.corpus_bytes)
-    distill = distill_texts(args, float_target, train) if args.distill_prompts else ()
-    drafter, train_s = train_drafter(args, train, distill)
+    drafter, train_s = make_drafter(args, float_target, train)
     held = stdlib_texts("eval")
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]

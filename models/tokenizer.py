@@ -111,6 +111,73 @@ def encode_batch(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
+
+def prune_bpe(tokenizer, texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE with ``tokenizer``'s merges and pre-tokenizer, restricted to its
+    ``vocab_size`` most frequent tokens on ``texts`` (vocabulary trimming); returns
+    ``(PreTrainedTokenizerFast, kept_ids)`` where ``kept_ids[i]`` is the original id of new token i.
+
+    Kept: every added (special) token, the 256 byte symbols (so every string stays encodable), then
+    tokens by frequency, each with its merge ancestors (a token a BPE can only build from its
+    parents). A merge survives when both parents and the result are kept, in its original rank, so a
+    word whose original tokens are all kept tokenizes exactly as before and any other word falls
+    apart into kept pieces. A different tokenizer (other ids, other splits) sharing most strings with
+    the original: what a small drafter for a large-vocabulary target uses."""
+    import json
+
+    import numpy as np
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError(f"prune_bpe: needs a BPE tokenizer, got model type {model.get('type')!r}")
+    vocab = model["vocab"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    parents = {}
+    for a, b in merges:
+        parents.setdefault(a + b, (a, b))
+    by_id = {i: t for t, i in vocab.items()}
+    keep: set = {t for t in bytes_to_unicode().values() if t in vocab}
+    keep |= {by_id[a["id"]] for a in spec.get("added_tokens", []) if a["id"] in by_id}
+    if vocab_size <= len(keep):
+        raise ValueError(f"prune_bpe: vocab_size={vocab_size} must exceed the {len(keep)} byte symbols "
+                         "and added tokens it always keeps")
+    counts = np.zeros(max(vocab.values()) + 1, np.int64)
+    for ids in encode_batch(tokenizer, list(texts)):
+        np.add.at(counts, np.asarray(ids, np.int64), 1)
+
+    def closure(t, out):
+        if t in keep or t in out:
+            return
+        for parent in parents.get(t, ()):
+            closure(parent, out)
+        out.append(t)
+
+    for i in np.argsort(-counts, kind="stable"):
+        if counts[i] == 0 or len(keep) >= vocab_size:
+            break
+        add: list = []
+        closure(by_id[int(i)], add)
+        if len(keep) + len(add) <= vocab_size:
+            keep.update(add)
+    kept_ids = np.asarray(sorted(vocab[t] for t in keep), np.int64)
+    new_id = {by_id[int(old)]: new for new, old in enumerate(kept_ids)}
+    model["vocab"] = new_id
+    model["merges"] = [[a, b] for a, b in merges if a in new_id and b in new_id and a + b in new_id]
+    spec["added_tokens"] = [dict(a, id=new_id[by_id[a["id"]]]) for a in spec.get("added_tokens", [])]
+    pp = spec.get("post_processor") or {}
+    for special in (pp.get("special_tokens") or {}).values():  # TemplateProcessing's ids
+        special["ids"] = [new_id[by_id[i]] for i in special.get("ids", [])]
+    names = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   **{k: v for k, v in names.items() if v is not None})
+    if getattr(tokenizer, "chat_template", None):
+        fast.chat_template = tokenizer.chat_template
+    return fast, kept_ids
+
+
 # ----------------------------------------------------------------- GGUF vocabularies
 # gguf token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3
@@ -256,6 +323,6 @@ def _finish(tok, v: GGUFVocab, user_defined: Sequence[tuple[str, bool]]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
 
 
-__all__ = ["load_tokenizer", "train_bpe", "encode_batch", "DEFAULT_SPECIAL_TOKENS", "GGUFVocab",
+__all__ = ["load_tokenizer", "train_bpe", "prune_bpe", "encode_batch", "DEFAULT_SPECIAL_TOKENS", "GGUFVocab",
            "byte_level_bpe_tokenizer", "sentencepiece_bpe_tokenizer", "sentencepiece_merges",
            "bytes_to_unicode"]

@@ -40,6 +40,9 @@ class SpeculativeConfig:
                        (one host call per draft step; False: unconstrained drafts, still lossless)
     slrs_max_nodes     SLRS: most prefixes of multi-character target tokens (drafter calls per draft
                        step that psi takes); a larger target vocabulary is refused
+    max_spelling       sd / tli: most drafter tokens one target token is spelled in when the drafter
+                       catches up (its catch-up call is 1 + this wide, every round); a longer spelling
+                       is cut, which shortens the drafter's context (acceptance only, never the output)
     """
 
     num_draft_tokens: int = 5
@@ -54,6 +57,7 @@ class SpeculativeConfig:
     drafter_kv_cache_config: Any = None
     mask_drafts: bool = True
     slrs_max_nodes: int = 256
+    max_spelling: int = 16
 
     def __post_init__(self):
         def need(ok, msg):
@@ -70,7 +74,7 @@ class SpeculativeConfig:
                  f"max_draft_tokens must be an integer >= num_draft_tokens ({self.num_draft_tokens}); "
                  f"got {self.max_draft_tokens!r}")
         need(self.schedule in SCHEDULES, f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
-        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up", "slrs_max_nodes"):
+        for name in ("target_lookbehind", "drafter_lookbehind", "max_catch_up", "slrs_max_nodes", "max_spelling"):
             v = getattr(self, name)
             need(is_int(v) and v >= 1, f"{name} must be an integer >= 1; got {v!r}")
         if self.max_target_draft is not None:

@@ -43,8 +43,12 @@ def warped_probs(logits_BTV: jax.Array, params: SamplingParams, spec: SamplingSp
     return jnp.where(greedy_B, onehot, probs)
 
 
-def draw(key: jax.Array, probs_BV: jax.Array) -> jax.Array:
-    """One token per row from (unnormalised, non-negative) probabilities."""
+def draw(key: jax.Array, probs_BV: jax.Array, greedy_only: bool = False) -> jax.Array:
+    """One token per row from (unnormalised, non-negative) probabilities. ``greedy_only`` (every
+    row greedy, so every distribution here is a one-hot): its argmax, the same token without
+    drawing B x V random numbers."""
+    if greedy_only:
+        return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, jnp.log(probs_BV), axis=-1).astype(jnp.int32)
 
 
@@ -61,9 +65,13 @@ def leviathan_accept(key: jax.Array, p_tok_BK: jax.Array, q_tok_BK: jax.Array, k
     return leading_true(ok)
 
 
-def residual_or_bonus(key: jax.Array, p_BV: jax.Array, q_BV: jax.Array, rejected_B: jax.Array) -> jax.Array:
+def residual_or_bonus(key: jax.Array, p_BV: jax.Array, q_BV: jax.Array, rejected_B: jax.Array,
+                      greedy_only: bool = False) -> jax.Array:
     """The token after the accepted prefix: from norm(max(0, p − q)) where the row rejected a
-    draft, from p where it accepted all of them (q is ignored there)."""
+    draft, from p where it accepted all of them (q is ignored there). ``greedy_only``: p and q are
+    one-hots and a rejected draft is not p's token, so the residual is p itself: its argmax."""
+    if greedy_only:
+        return jnp.argmax(p_BV, axis=-1).astype(jnp.int32)
     res = jnp.maximum(p_BV - jnp.where(rejected_B[:, None], q_BV, 0.0), 0.0)
     empty = jnp.sum(res, axis=-1, keepdims=True) <= 1e-12  # p == q: rejection has probability 0
     return draw(key, jnp.where(empty, p_BV, res))

@@ -168,7 +168,7 @@ class SpeculativeStrategy:
         N = s.out_BN.shape[1]
         key, k_first = jax.random.split(s.key)
         p0 = self._target_probs(ctx, s, prefill_logits_BV[:, None], jnp.zeros((B, 0), jnp.int32))
-        y0 = P.draw(k_first, p0[:, 0])
+        y0 = P.draw(k_first, p0[:, 0], self.spec.greedy_only)
         s = ctx.emit(s.replace(key=key, cache=s.cache.for_appending()), y0[:, None], jnp.ones_like(y0))
 
         cfg = self.drafter_config
@@ -252,7 +252,7 @@ class SpeculativeStrategy:
             j, cache, logits, drafts, qv, key = c
             key, sub = jax.random.split(key)
             q, ver = dist(logits, None if row_mask is None else row_mask(drafts, j))
-            d = P.draw(sub, q)
+            d = P.draw(sub, q, self.spec.greedy_only)
             drafts = drafts.at[:, j].set(d)
             if keep_q:
                 qv = qv.at[:, j].set(ver)
@@ -365,7 +365,7 @@ class SpeculativeStrategy:
         if self.fault == "residual_intersection":  # resample only among tokens the drafter has
             image = jnp.zeros((VT,), bool).at[to_T].set(True, mode="drop")
             p_at = jnp.where(rejected[:, None] & ~image[None, :], 0.0, p_at)
-        y = P.residual_or_bonus(k_res, p_at, qT, rejected)
+        y = P.residual_or_bonus(k_res, p_at, qT, rejected, self.spec.greedy_only)
         out = jnp.concatenate([cand, jnp.zeros_like(cand[:, :1])], axis=1).at[jnp.arange(B), n].set(y)
         s = self._finish(ctx, s.replace(key=key), cache, out, n + 1)
         # the drafter: its verified context grows by the accepted drafts it was fed, then the rest
@@ -416,7 +416,7 @@ class SpeculativeStrategy:
         logits, cache = self._verify_logits(ctx, s, cand)
         p = self._target_probs(ctx, s, logits, cand)  # [B, W+1, V]
         Bp, T1, V = p.shape
-        drawn = P.draw(k_tgt, p.reshape(Bp * T1, V)).reshape(Bp, T1)
+        drawn = P.draw(k_tgt, p.reshape(Bp * T1, V), self.spec.greedy_only).reshape(Bp, T1)
         n = P.exact_match(cand, n_cand, drawn)
         s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
         stats = self._stats(sp.stats, active, J + 1, n_cand, n)
@@ -520,7 +520,8 @@ def build_speculative(gen, n_prompts: int):
         d2t = np.arange(V, dtype=np.int32)
         t2d, t2d_len = np.arange(V, dtype=np.int32)[:, None], np.ones(V, np.int32)
     else:
-        pair = pair_map(drafter.target_tokenizer, drafter.tokenizer)
+        pair = pair_map(drafter.target_tokenizer, drafter.tokenizer,
+                        max_len=16 if method in ("slem", "slrs") else cfg.max_spelling)
         check_drafter_can_encode(pair)
         d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
         if method == "tli" and pair.intersection == 0:

@@ -1,0 +1,255 @@
+"""The benchmark's drafters for SmolLM2-135M, trained here (``benchmarks/speculative.py``).
+
+* ``train_drafter`` (``--drafter-init scratch``): a small Llama with its own byte-level BPE, trained
+  from random weights on the corpus and, with ``--distill-prompts``, on the target's greedy
+  continuations (sequence-level distillation, Kim & Rush 2016).
+* ``train_target_drafter`` (``--drafter-init target``): the target's tokenizer pruned to its
+  ``--drafter-vocab`` most frequent tokens (``models.tokenizer.prune_bpe``: other ids, other splits,
+  so TLI / SLEM map between two vocabularies), the target's embedding rows of those tokens, its
+  first ``--drafter-layers`` blocks and its final norm, fine-tuned by token-level distillation on the
+  target's teacher-forced greedy tokens (DistillSpec's finding, Zhou et al. 2024: an on-policy /
+  teacher-label objective aligns a drafter with its target far better than the corpus; the
+  target's embeddings as a drafter's starting point as in EAGLE / Medusa heads, here without the
+  target's hidden states so that the drafter stays a model of its own).
+
+Both are kept in ``$PALLASITE_SPEC_DRAFTER`` (default: a folder under the system temp dir), one
+folder per setting, so later runs reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def drafter_dir(args) -> str:
+    root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
+    if args.drafter_init == "target":
+        tag = f"pruned_v{args.drafter_vocab}_l{args.drafter_layers}_s{args.drafter_steps}_w{args.label_windows}"
+        return os.path.join(root, tag)
+    tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
+    if args.distill_prompts:
+        tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
+    return os.path.join(root, tag)
+
+
+def distill_texts(args, target, texts):
+    """Sequence-level distillation data (Kim & Rush 2016; what drafters are trained on in
+    practice): the target's own greedy continuations of ``--distill-prompts`` windows of
+    ``--prompt-tokens`` target tokens cut from ``texts`` (the training split), ``--distill-new-tokens``
+    each, generated in batches of 32 and returned as text (prompt + continuation), so the drafter —
+    whatever its tokenizer — learns what the target says next, not only the corpus. Kept in
+    ``distill.json`` of the drafter folder."""
+    from pallasite.inference.config import GenerationConfig
+    from pallasite.inference.engine import generate_ids
+
+    folder = drafter_dir(args)
+    cache = os.path.join(folder, "distill.json")
+    if os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f)
+    rng = np.random.default_rng(1)
+    prompts = []
+    while len(prompts) < args.distill_prompts:
+        ids = target.encode(texts[int(rng.integers(len(texts)))])
+        if len(ids) > args.prompt_tokens:
+            s = int(rng.integers(0, len(ids) - args.prompt_tokens))
+            prompts.append(ids[s: s + args.prompt_tokens])
+    gen = GenerationConfig(max_new_tokens=args.distill_new_tokens, stop_tokens=())
+    out, t0 = [], time.perf_counter()
+    for b in range(0, len(prompts), 32):
+        rows = prompts[b: b + 32]
+        for p, new in zip(rows, generate_ids(target.graphdef, target.state, target.config, rows, gen)):
+            out.append(target.tokenizer.decode(list(p) + list(new)))
+        print(f"  distill: {len(out)}/{len(prompts)} target continuations, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    os.makedirs(folder, exist_ok=True)
+    with open(cache, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def train_drafter(args, texts, distilled=()):
+    """(Model, seconds) a small Llama with its own byte-level BPE tokenizer, trained on ``texts``
+    and, where given, the target's ``distilled`` continuations (half of every batch from them)."""
+    import optax
+    from flax import nnx
+
+    import pallasite
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.tokenizer import train_bpe
+    from pallasite.models.transformer import forward, init_model
+
+    folder = drafter_dir(args)
+    if os.path.exists(os.path.join(folder, "done")):
+        return pallasite.load(folder), 0.0
+    t0 = time.perf_counter()
+    tok = train_bpe(list(texts) + list(distilled), args.drafter_vocab)
+    eos = tok.eos_token_id
+
+    def stream(docs):
+        return np.concatenate([np.asarray(tok.encode(t) + [eos], np.int32) for t in docs]) if docs else None
+
+    ids, kd_ids = stream(list(texts)), stream(list(distilled))
+    cfg = ModelConfig(vocab_size=len(tok), d_model=args.drafter_d, n_layers=args.drafter_layers,
+                      n_heads=max(2, args.drafter_d // 64), n_kv_heads=max(1, args.drafter_d // 128),
+                      d_ff=args.drafter_d * 8 // 3 // 32 * 32, max_seq_len=4096, tie_embeddings=True,
+                      eos_token_id=(eos,), bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    g, state = nnx.split(init_model(cfg, seed=0))
+    params = nnx.to_pure_dict(state)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, args.drafter_steps, 3e-4)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    opt_state = opt.init(params)
+
+    def loss_fn(p, batch):
+        st = nnx.State(state)
+        nnx.replace_by_pure_dict(st, p)
+        logits = forward(g, st, batch[:, :-1])[0]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    @jax.jit
+    def update(p, o, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        upd, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, upd), o, loss
+
+    rng = np.random.default_rng(0)
+    seq, bs = 128, 16
+    for step in range(args.drafter_steps):
+        sources = [ids] * bs if kd_ids is None else [ids] * (bs // 2) + [kd_ids] * (bs - bs // 2)
+        batch = jnp.asarray(np.stack([src[s: s + seq + 1] for src in sources
+                                      for s in [int(rng.integers(0, len(src) - seq - 1))]]))
+        params, opt_state, loss = update(params, opt_state, batch)
+        if step % 200 == 0 or step == args.drafter_steps - 1:
+            print(f"  drafter step {step}: loss {float(loss):.3f}", flush=True)
+    nnx.replace_by_pure_dict(state, params)
+    model = pallasite.Model(cfg, state, tok, g)
+    os.makedirs(folder, exist_ok=True)
+    model.save(folder, format="orbax")
+    open(os.path.join(folder, "done"), "w").close()
+    return pallasite.load(folder), time.perf_counter() - t0
+
+
+def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144, seq: int = 128,
+                   seed: int = 2):
+    """Drafter-token training rows labelled by the target: ``(inputs [N, seq+1], labels [N, seq])``.
+
+    ``n_windows`` windows of ``window`` target tokens are cut from ``texts``; the target's argmax
+    at every position is its greedy next token. Each window's text is re-encoded by the drafter's
+    tokenizer; a drafter position that ends on a target-token boundary is labelled with the first
+    drafter token of the target's greedy token there (what tli would have to draft), one inside a
+    target token with the drafter's next token of the text (the rest of that token's spelling)."""
+    from pallasite.inference.speculative import pair_map
+    from pallasite.models.transformer import forward
+
+    pm = pair_map(target.tokenizer, drafter_tok)
+    T, D = pm.target, pm.drafter
+    S = seq  # drafter positions per row (< window: the drafter's encoding is longer than the target's)
+    rng = np.random.default_rng(seed)
+    windows = []
+    while len(windows) < n_windows:
+        ids = target.encode(texts[int(rng.integers(len(texts)))])
+        if len(ids) > window + 1:
+            s = int(rng.integers(0, len(ids) - window))
+            windows.append(ids[s: s + window])
+    fwd = jax.jit(lambda x: jnp.argmax(forward(target.graphdef, target.state, x)[0], -1))
+    inputs, labels, t0 = [], [], time.perf_counter()
+    for b in range(0, n_windows, 16):
+        rows = windows[b: b + 16]
+        greedy = np.asarray(fwd(jnp.asarray(rows, jnp.int32)))
+        for ids, g in zip(rows, greedy):
+            t_off = np.cumsum([0] + [T.nbytes(i) for i in ids])
+            dids, _ = D.encode(T.text_of(ids))
+            if len(dids) < S + 1:
+                continue
+            d_off = np.cumsum([0] + [D.nbytes(i) for i in dids])
+            boundary = {int(o): j for j, o in enumerate(t_off[1:])}  # bytes after target tokens 0..j
+            lab = np.asarray(dids[1: S + 1], np.int64)
+            for m in range(S):
+                j = boundary.get(int(d_off[m + 1]))
+                if j is not None and pm.t2d_len[g[j]] > 0:
+                    lab[m] = pm.t2d[g[j], 0]
+            inputs.append(dids[: S + 1])
+            labels.append(lab)
+        print(f"  teacher labels: {min(b + 16, n_windows)}/{n_windows} windows, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    return np.asarray(inputs, np.int32), np.asarray(labels, np.int32)
+
+
+def train_target_drafter(args, target, texts):
+    """(Model, seconds): the pruned-vocabulary drafter initialised from the target (module doc),
+    fine-tuned for ``--drafter-steps`` steps of 16 rows on ``--label-windows`` labelled windows."""
+    import dataclasses
+
+    import optax
+    from flax import nnx
+
+    import pallasite
+    from pallasite.models.tokenizer import prune_bpe
+    from pallasite.models.transformer import abstract_model, forward
+
+    folder = drafter_dir(args)
+    if os.path.exists(os.path.join(folder, "done")):
+        return pallasite.load(folder), 0.0
+    t0 = time.perf_counter()
+    tok, kept = prune_bpe(target.tokenizer, texts, args.drafter_vocab)
+    labels_file = os.path.join(folder, "labels.npz")
+    if os.path.exists(labels_file):
+        z = np.load(labels_file)
+        inputs, labels = z["inputs"], z["labels"]
+    else:
+        inputs, labels = teacher_labels(target, tok, texts, args.label_windows)
+        os.makedirs(folder, exist_ok=True)
+        np.savez(labels_file, inputs=inputs, labels=labels)
+    tcfg = target.config
+    cfg = dataclasses.replace(tcfg, n_layers=args.drafter_layers, vocab_size=len(tok), eos_token_id=(tok.eos_token_id,),
+                              bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, layer_types=None)
+    full = nnx.to_pure_dict(target.state)
+    g, state = nnx.split(abstract_model(cfg))
+    params = {"embed": {"embedding": jnp.asarray(full["embed"]["embedding"])[jnp.asarray(kept)]},
+              "final_norm": full["final_norm"],
+              "layers": {j: full["layers"][j] for j in range(args.drafter_layers)}}
+    nnx.replace_by_pure_dict(state, params)
+    params = nnx.to_pure_dict(state)
+    warm = min(50, max(1, args.drafter_steps // 10))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.drafter_lr, warm, max(args.drafter_steps, warm + 1),
+                                               args.drafter_lr / 10)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
+    opt_state = opt.init(params)
+
+    def loss_fn(p, x, y):
+        st = nnx.State(state)
+        nnx.replace_by_pure_dict(st, p)
+        logits = forward(g, st, x)[0]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return ce.mean(), (jnp.argmax(logits, -1) == y).mean()
+
+    @jax.jit
+    def update(p, o, x, y):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, x, y)
+        upd, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, upd), o, loss, acc
+
+    rng = np.random.default_rng(0)
+    n_eval = max(16, len(inputs) // 50)
+    eval_x, eval_y = jnp.asarray(inputs[:n_eval, :-1]), jnp.asarray(labels[:n_eval])
+    tr_x, tr_y = inputs[n_eval:, :-1], labels[n_eval:]
+    for step in range(args.drafter_steps):
+        idx = rng.integers(0, len(tr_x), 16)
+        params, opt_state, loss, acc = update(params, opt_state, jnp.asarray(tr_x[idx]), jnp.asarray(tr_y[idx]))
+        if step % 100 == 0 or step == args.drafter_steps - 1:
+            _, held = loss_fn(params, eval_x, eval_y)
+            print(f"  drafter step {step}: loss {float(loss):.3f}, label agreement {float(acc):.3f} "
+                  f"(held-out windows {float(held):.3f}), {time.perf_counter() - t0:.0f} s", flush=True)
+    nnx.replace_by_pure_dict(state, params)
+    model = pallasite.Model(cfg, state, tok, g)
+    os.makedirs(folder, exist_ok=True)
+    model.save(folder, format="orbax")
+    open(os.path.join(folder, "done"), "w").close()
+    return pallasite.load(folder), time.perf_counter() - t0
