@@ -98,7 +98,8 @@ def bench_batch(target, drafter, prompts, args, methods, constraint=None):
     def make_spec(method):
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
                                strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule,
-                                                "mask_drafts": not args.no_mask_drafts})
+                                                "mask_drafts": not args.no_mask_drafts,
+                                                "max_spelling": args.max_spelling})
 
         def run():  # built per call: a constraint's host session follows one generation
             strategy, sargs = build_speculative(gen, len(prompts))
@@ -214,7 +215,7 @@ def real_pair(args):
     for method in args.methods.split(","):
         for k in (1, args.k):
             gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
-                                   strategy_config={"num_draft_tokens": k})
+                                   strategy_config={"num_draft_tokens": k, "max_spelling": args.max_spelling})
             strategy, sargs = build_speculative(gen, len(prompts))
             s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
             stats = stats_of(s)
@@ -245,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--schedule", default="constant", choices=("constant", "heuristic"))
+    ap.add_argument("--max-spelling", type=int, default=16,
+                    help="sd / tli: drafter tokens per target token in the catch-up (SpeculativeConfig.max_spelling)")
     ap.add_argument("--methods", default="tli,slem")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--drafter-init", default="scratch", choices=("scratch", "target"),
