@@ -285,7 +285,7 @@ def main(argv=None):
                          "the target's teacher-forced greedy tokens")
     ap.add_argument("--label-windows", type=int, default=2048,
                     help="--drafter-init target: windows of 144 target tokens labelled by the target")
-    ap.add_argument("--drafter-lr", type=float, default=3e-4, help="--drafter-init target: peak learning rate")
+    ap.add_argument("--drafter-lr", type=float, default=5e-4, help="--drafter-init target: peak learning rate")
     ap.add_argument("--drafter-vocab", type=int, default=2048)
     ap.add_argument("--drafter-d", type=int, default=192)
     ap.add_argument("--drafter-layers", type=int, default=4)
