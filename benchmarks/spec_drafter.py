@@ -10,7 +10,9 @@
   target's teacher-forced greedy tokens (DistillSpec's finding, Zhou et al. 2024: an on-policy /
   teacher-label objective aligns a drafter with its target far better than the corpus; the
   target's embeddings as a drafter's starting point as in EAGLE / Medusa heads, here without the
-  target's hidden states so that the drafter stays a model of its own).
+  target's hidden states so that the drafter stays a model of its own). With ``--distill-prompts``
+  half of the labelled windows come from the target's own greedy continuations (``distill_texts``):
+  the text the drafter drafts against at decode time.
 
 Both are kept in ``$PALLASITE_SPEC_DRAFTER`` (default: a folder under the system temp dir), one
 folder per setting, so later runs reuse them.
@@ -32,6 +34,8 @@ def drafter_dir(args) -> str:
     root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
     if args.drafter_init == "target":
         tag = f"pruned_v{args.drafter_vocab}_l{args.drafter_layers}_s{args.drafter_steps}_w{args.label_windows}"
+        if args.distill_prompts:
+            tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
         return os.path.join(root, tag)
     tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
     if args.distill_prompts:
@@ -197,6 +201,9 @@ def train_target_drafter(args, target, texts):
     folder = drafter_dir(args)
     if os.path.exists(os.path.join(folder, "done")):
         return pallasite.load(folder), 0.0
+    if args.distill_prompts and args.prompt_tokens + args.distill_new_tokens < 146:
+        raise SystemExit("--drafter-init target --distill-prompts: --prompt-tokens + --distill-new-tokens must be "
+                         "at least 146 (labelled windows are 144 target tokens)")
     t0 = time.perf_counter()
     tok, kept = prune_bpe(target.tokenizer, texts, args.drafter_vocab)
     labels_file = os.path.join(folder, "labels.npz")
@@ -204,7 +211,13 @@ def train_target_drafter(args, target, texts):
         z = np.load(labels_file)
         inputs, labels = z["inputs"], z["labels"]
     else:
-        inputs, labels = teacher_labels(target, tok, texts, args.label_windows)
+        n_own = args.label_windows // 2 if args.distill_prompts else 0
+        inputs, labels = teacher_labels(target, tok, texts, args.label_windows - n_own)
+        if n_own:  # half the windows from the target's own greedy continuations (what it drafts against)
+            own_x, own_y = teacher_labels(target, tok, distill_texts(args, target, texts), n_own, seed=3)
+            inputs, labels = np.concatenate([own_x, inputs]), np.concatenate([own_y, labels])
+            order = np.random.default_rng(4).permutation(len(inputs))  # held-out rows from both sources
+            inputs, labels = inputs[order], labels[order]
         os.makedirs(folder, exist_ok=True)
         np.savez(labels_file, inputs=inputs, labels=labels)
     tcfg = target.config

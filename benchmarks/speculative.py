@@ -293,7 +293,8 @@ def main(argv=None):
     ap.add_argument("--corpus-bytes", type=int, default=3_000_000)
     ap.add_argument("--distill-prompts", type=int, default=0,
                     help="also train the drafter on the target's greedy continuations of this many training-split "
-                         "windows (sequence-level distillation; 0: corpus only)")
+                         "windows (sequence-level distillation; with --drafter-init target half of the "
+                         "--label-windows come from them; 0: corpus only)")
     ap.add_argument("--distill-new-tokens", type=int, default=64)
     ap.add_argument("--real-pair", default=None, metavar="TARGET:DRAFTER",
                     help="offline models, e.g. smollm2-135m:gemma3-270m (drafter 'trained': the --drafter-* "

@@ -1,0 +1,52 @@
+"""``benchmarks.spec_drafter.teacher_labels``: drafter rows labelled with the target's greedy tokens."""
+
+import jax.numpy as jnp
+import numpy as np
+
+import pallasite
+from pallasite.benchmarks.spec_drafter import teacher_labels
+from pallasite.inference.speculative import pair_map
+from pallasite.models.transformer import forward
+
+from .spec_fixtures import corpus, drafter_tokenizer, random_model, target_tokenizer
+
+TEXTS = [corpus(600, seed=s) for s in range(4)]
+
+
+def _target():
+    tok = target_tokenizer()
+    cfg, g, st = random_model(len(tok), seed=3, scale=4.0)
+    return pallasite.Model(cfg, st, tok, g)
+
+
+def test_same_tokenizer_labels_are_the_targets_argmax():
+    # drafter tokenizer == target tokenizer: every position is a boundary and t2d is the identity, so
+    # every label must be the target's own argmax after the row's prefix
+    target = _target()
+    x, y = teacher_labels(target, target.tokenizer, TEXTS, n_windows=6, window=40, seq=24)
+    assert x.shape == (6, 25) and y.shape == (6, 24)
+    greedy = np.asarray(jnp.argmax(forward(target.graphdef, target.state, jnp.asarray(x[:, :-1]))[0], -1))
+    np.testing.assert_array_equal(y, greedy)
+    assert (y != x[:, 1:]).any()  # the labels are the target's, not the text's next token
+
+
+def test_other_tokenizer_labels_boundaries_by_the_target_and_the_rest_by_the_text():
+    target = _target()
+    dtok = drafter_tokenizer()
+    pm = pair_map(target.tokenizer, dtok)
+    T, D = pm.target, pm.drafter
+    x, y = teacher_labels(target, dtok, TEXTS, n_windows=6, window=40, seq=24)
+    spellings = {pm.t2d[t, 0] for t in range(T.size) if pm.t2d_len[t] > 0}
+    n_intra = n_from_target = 0
+    for row, lab in zip(x, y):
+        text = D.text_of(row.tolist())
+        t_off = set(np.cumsum([T.nbytes(i) for i in target.encode(text.decode())]).tolist())
+        d_off = np.cumsum([D.nbytes(i) for i in row.tolist()])
+        for m in range(len(lab)):
+            if int(d_off[m]) in t_off:  # a target-token boundary: a first drafter piece of a target token
+                assert lab[m] in spellings
+                n_from_target += int(lab[m] != row[m + 1])
+            else:  # inside a target token: the rest of its spelling, from the text
+                assert lab[m] == row[m + 1]
+                n_intra += 1
+    assert n_intra and n_from_target  # both kinds of position were exercised
