@@ -74,6 +74,16 @@ def call(graphdef, state, cache, tokens_BT, positions_BT):
     return logits, cache
 
 
+def call_at(graphdef, state, cache, tokens_BT, positions_BT, idx_B):
+    """Drafter forward over its cache with the LM head at ONE position per row (``idx_B``): (float32
+    logits [B, V_D], cache). The catch-up feeds up to ``1 + max_spelling`` tokens a round and only
+    the last one's distribution is drafted from, so the head (a V_D x D matmul per position, the
+    largest one of a small drafter) runs once per row instead of T times."""
+    model = nnx.merge(graphdef, state)
+    h_BTD, cache, _ = model(tokens_BT, positions_BT, cache=cache, return_hidden=True)
+    return model.head(take_positions(h_BTD, idx_B)[:, None])[:, 0], cache
+
+
 def prefill(graphdef, state, cache, tokens_BT, lengths_B):
     """Fill the drafter's cache with its right-padded prompts (no LM head: the first draft
     distribution comes from the next catch-up call)."""
@@ -89,4 +99,4 @@ def take_positions(x_BT, idx_B):
     return jnp.take_along_axis(x_BT, idx_B.reshape((-1,) + (1,) * (x_BT.ndim - 1)), axis=1)[:, 0]
 
 
-__all__ = ["Drafter", "create_cache", "call", "prefill", "take_positions"]
+__all__ = ["Drafter", "create_cache", "call", "call_at", "prefill", "take_positions"]

@@ -52,6 +52,14 @@ def draw(key: jax.Array, probs_BV: jax.Array, greedy_only: bool = False) -> jax.
     return jax.random.categorical(key, jnp.log(probs_BV), axis=-1).astype(jnp.int32)
 
 
+def draw_from_logits(key: jax.Array, logits_BV: jax.Array, params: SamplingParams, spec: SamplingSpec) -> jax.Array:
+    """One token per row from the post-warper law of ``logits_BV`` (``draw(key, warped_probs(...))``);
+    when every row is greedy, the argmax without building the one-hot."""
+    if spec.greedy_only:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return draw(key, warped_probs(logits_BV[:, None], params, spec)[:, 0])
+
+
 def leading_true(ok_BK: jax.Array) -> jax.Array:
     """Number of leading True values per row."""
     return jnp.sum(jnp.cumprod(ok_BK.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
@@ -84,4 +92,5 @@ def exact_match(cand_BK: jax.Array, n_cand_B: jax.Array, drawn_BK1: jax.Array) -
     return leading_true(ok)
 
 
-__all__ = ["warped_probs", "draw", "leading_true", "leviathan_accept", "residual_or_bonus", "exact_match"]
+__all__ = ["warped_probs", "draw", "draw_from_logits", "leading_true", "leviathan_accept", "residual_or_bonus",
+           "exact_match"]

@@ -138,6 +138,14 @@ class SpeculativeStrategy:
             logits_BTV = jnp.where(allowed, logits_BTV, -jnp.inf)
         return P.warped_probs(logits_BTV, ctx.args.sampling, self.spec)
 
+    def _target_greedy(self, ctx, s, logits_BTV, tokens_BK):
+        """The target's greedy token [B, T] at each position (after the hook's masks): the argmax
+        of ``_target_probs``'s one-hots, without building them ([B, K+1, V_T] floats a round)."""
+        if self.target_mask is not None:
+            allowed = self.target_mask(ctx, s, tokens_BK, logits_BTV.shape[-1])
+            logits_BTV = jnp.where(allowed, logits_BTV, -jnp.inf)
+        return jnp.argmax(logits_BTV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
     def _tables(self, args, V_D: int, V_T: int):
         """The mapping tables padded / cut to the models' logit widths (which may exceed the
         tokenizers' sizes): drafter ids that map past V_T and target tokens spelled with drafter
@@ -217,9 +225,9 @@ class SpeculativeStrategy:
         """Feed the pending tokens; -> (cache, length after them, first draft logits [B, V_D])."""
         M = sp.pend_BM.shape[1]
         pos = sp.dlen_B[:, None] + jnp.arange(M, dtype=jnp.int32)[None, :]
-        logits, cache = D.call(self.drafter_graphdef, ctx.args.drafter_state, sp.cache, sp.pend_BM, pos)
         last = jnp.maximum(sp.n_pend_B - 1, 0)
-        return cache, sp.dlen_B + sp.n_pend_B, D.take_positions(logits, last)
+        logits, cache = D.call_at(self.drafter_graphdef, ctx.args.drafter_state, sp.cache, sp.pend_BM, pos, last)
+        return cache, sp.dlen_B + sp.n_pend_B, logits
 
     def _draft(self, ctx, cache, dl_B, logits_BV, J, key, allowed_V=None, keep_q: bool = True, row_mask=None):
         """Draft J tokens per row (static buffers of K): (cache, drafts [B, K], verification q
@@ -236,6 +244,8 @@ class SpeculativeStrategy:
                 ok = ok | ~jnp.any(ok, -1, keepdims=True)  # nothing draftable: the row drafts unconstrained
                 logits = jnp.where(ok, logits, -jnp.inf)
             masked = logits if allowed_V is None else jnp.where(allowed_V[None, :], logits, -jnp.inf)
+            if not keep_q:  # greedy / SLEM: only the draft itself is needed, not q
+                return masked, None
             q = P.warped_probs(masked[:, None], args.sampling, self.spec)[:, 0]
             if self.fault == "no_renorm":  # q on the intersection without renormalising it
                 ver = P.warped_probs(logits[:, None], args.sampling, self.spec)[:, 0] * allowed_V[None, :]
@@ -252,7 +262,10 @@ class SpeculativeStrategy:
             j, cache, logits, drafts, qv, key = c
             key, sub = jax.random.split(key)
             q, ver = dist(logits, None if row_mask is None else row_mask(drafts, j))
-            d = P.draw(sub, q, self.spec.greedy_only)
+            if keep_q:
+                d = P.draw(sub, q, self.spec.greedy_only)
+            else:  # q is the masked logits: the argmax for greedy rows, else a draw from the warped law
+                d = P.draw_from_logits(sub, q, args.sampling, self.spec)
             drafts = drafts.at[:, j].set(d)
             if keep_q:
                 qv = qv.at[:, j].set(ver)
@@ -324,29 +337,9 @@ class SpeculativeStrategy:
         s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
         return s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
 
-    def _step_token(self, ctx, s):
-        sp = s.extra
-        key, k_draft, k_acc, k_res = jax.random.split(s.key, 4)
-        active = ~s.done_B
-        k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
-        J = jnp.max(k_B)
-        dcache, dl, logits0 = self._catch_up(ctx, sp)
-        d2t = sp.d2t_V
-        if self.method == "slrs":  # drafts are target tokens already, q = ψ over V_T
-            dcache, cand, qv, n_chars = self._draft_slrs(ctx, dcache, dl, logits0, J, k_draft)
-            drafts = cand
-        else:
-            row_mask = None
-            if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
-                to_t = jnp.maximum(d2t, 0)
-                V_T = sp.t2d_VL.shape[0]
-
-                def row_mask(drafts_BK, j):
-                    return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
-
-            dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask)
-            cand = jnp.take(jnp.maximum(d2t, 0), drafts)
-        logits, cache = self._verify_logits(ctx, s, cand)
+    def _verify_sampled(self, ctx, s, logits, cand, drafts, qv, k_B, d2t, k_acc, k_res):
+        """Leviathan verification of the drafts (sd / tli / slrs): (accepted length n [B], the
+        emitted tokens [B, K+1]: the accepted drafts then the residual or bonus token)."""
         B, K, VT = cand.shape[0], self.k_max, logits.shape[-1]
         p = self._target_probs(ctx, s, logits, cand)  # [B, K+1, V_T]
         p_tok = jnp.take_along_axis(p[:, :K], cand[..., None], axis=-1)[..., 0]
@@ -366,8 +359,42 @@ class SpeculativeStrategy:
             image = jnp.zeros((VT,), bool).at[to_T].set(True, mode="drop")
             p_at = jnp.where(rejected[:, None] & ~image[None, :], 0.0, p_at)
         y = P.residual_or_bonus(k_res, p_at, qT, rejected, self.spec.greedy_only)
-        out = jnp.concatenate([cand, jnp.zeros_like(cand[:, :1])], axis=1).at[jnp.arange(B), n].set(y)
+        return n, jnp.concatenate([cand, jnp.zeros_like(cand[:, :1])], axis=1).at[jnp.arange(B), n].set(y)
+
+    def _step_token(self, ctx, s):
+        sp = s.extra
+        key, k_draft, k_acc, k_res = jax.random.split(s.key, 4)
+        active = ~s.done_B
+        k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
+        J = jnp.max(k_B)
+        dcache, dl, logits0 = self._catch_up(ctx, sp)
+        d2t = sp.d2t_V
+        greedy = self.spec.greedy_only and not self.fault
+        if self.method == "slrs":  # drafts are target tokens already, q = ψ over V_T
+            dcache, cand, qv, n_chars = self._draft_slrs(ctx, dcache, dl, logits0, J, k_draft)
+            drafts = cand
+        else:
+            row_mask = None
+            if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
+                to_t = jnp.maximum(d2t, 0)
+                V_T = sp.t2d_VL.shape[0]
+
+                def row_mask(drafts_BK, j):
+                    return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
+
+            dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask,
+                                             keep_q=not greedy)
+            cand = jnp.take(jnp.maximum(d2t, 0), drafts)
+        logits, cache = self._verify_logits(ctx, s, cand)
+        if greedy:
+            # every row greedy: p and q are one-hots, so Leviathan's test accepts a draft iff it is the
+            # target's argmax and the residual is that argmax: the longest exact match, then y there
+            out = self._target_greedy(ctx, s, logits, cand)  # [B, K+1]
+            n = P.exact_match(cand, k_B, out)
+        else:
+            n, out = self._verify_sampled(ctx, s, logits, cand, drafts, qv, k_B, d2t, k_acc, k_res)
         s = self._finish(ctx, s.replace(key=key), cache, out, n + 1)
+        y = D.take_positions(out, n)  # the target's own token after the accepted prefix
         # the drafter: its verified context grows by the accepted drafts it was fed, then the rest
         fed = jnp.maximum(J - 1, 0)
         kept = jnp.minimum(n, fed)
@@ -414,9 +441,12 @@ class SpeculativeStrategy:
         cand, n_cand = jax.pure_callback(_cb_slem_propose, shapes, ctx.args.session, drafts, k_B,
                                          jnp.maximum(J - 1, 0), s.done_B)
         logits, cache = self._verify_logits(ctx, s, cand)
-        p = self._target_probs(ctx, s, logits, cand)  # [B, W+1, V]
-        Bp, T1, V = p.shape
-        drawn = P.draw(k_tgt, p.reshape(Bp * T1, V), self.spec.greedy_only).reshape(Bp, T1)
+        if self.spec.greedy_only:
+            drawn = self._target_greedy(ctx, s, logits, cand)  # [B, W+1]
+        else:
+            p = self._target_probs(ctx, s, logits, cand)  # [B, W+1, V]
+            Bp, T1, V = p.shape
+            drawn = P.draw(k_tgt, p.reshape(Bp * T1, V)).reshape(Bp, T1)
         n = P.exact_match(cand, n_cand, drawn)
         s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
         stats = self._stats(sp.stats, active, J + 1, n_cand, n)
