@@ -132,3 +132,29 @@ def test_method_sub_configs_are_validated_from_mappings():
     with pytest.raises(ValueError, match="takes no options"):
         ModelConfig(ffn="dense", ffn_config={"n_experts": 2})
     assert cfg.replace(ffn="mole").ffn_config == MoLEConfig()  # a new kind starts from its defaults
+
+
+def test_tied_head_few_rows_layout_equals_the_plain_dot():
+    """``Embed.attend`` for 2..FEW_ROWS rows on CPU (E @ x.T, transposed after a barrier) gives the
+    logits of x @ E.T, for every leading shape, and its gradient too."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from pallasite.models.config import ModelConfig
+    from pallasite.models.layers import FEW_ROWS, Embed
+
+    cfg = ModelConfig(vocab_size=300, d_model=48, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=64)
+    emb = Embed(300, 48, cfg=cfg, rngs=nnx.Rngs(params=0))
+    table = emb.embedding[...]
+    rng = np.random.default_rng(0)
+    for shape in ((1, 48), (2, 3, 48), (4, 48), (FEW_ROWS, 48), (FEW_ROWS + 1, 48)):
+        x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+        got = jax.jit(emb.attend)(x)
+        assert got.shape == shape[:-1] + (300,)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ table.T), atol=2e-5)
+    x = jnp.asarray(rng.normal(size=(3, 48)), jnp.float32)
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(emb.attend(x))))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(lambda x: jnp.sum(jnp.sin(x @ table.T)))(x)),
+                               atol=2e-5)
