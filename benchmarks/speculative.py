@@ -14,9 +14,10 @@ Prompts: ``--prompt-tokens`` target tokens cut from held-out stdlib files.
 
 For each batch size (1 and 8), greedy: target-only decoding (``strategy="sample"``) and
 speculative decoding with each ``--methods`` entry are timed in turn (A B C A B C ...), best of
-``--reps`` after a warm-up call; tokens/s = B x new tokens / wall time of one ``generate_ids``
-call (prefill included). ``greedy_identical``: every speculative output equals the target's.
-Acceptance / calls per token come from the strategy's counters (``speculative.stats_of``).
+``--reps`` after a warm-up call; batch 1 decodes each of ``--b1-prompts`` prompts alone, one after
+another, batch 8 the first 8 together; tokens/s = tokens made / wall time (prefill included).
+``greedy_identical``: every speculative output equals the target's. Acceptance / calls per token
+come from the strategy's counters (``speculative.stats_of``), pooled over the batch-1 prompts.
 ``acceptance_real_pair`` (``--quick`` only): SLEM's acceptance at K = ``--k`` of the off-the-shelf
 Gemma 3 270M and SmolLM2-135M drafting for each other on four prompts (greedy identity asserted).
 ``--real-pair`` measures a pair of offline models (or
@@ -83,7 +84,11 @@ def schema_constraint(spec: str, target):
     return Constraint("json_schema", schema, name=name, tokenizer=target.tokenizer)
 
 
-def bench_batch(target, drafter, prompts, args, methods, constraint=None):
+def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None):
+    """Side-by-side wall clock of target-only decoding and each speculative ``methods`` entry over
+    ``prompt_batches`` (lists of prompts, decoded one batch after another; a system's time is the
+    sum over them): {system: tok/s, wall, and for the speculative ones identity with the target's
+    tokens, acceptance, mean accepted length, target calls per token, pooled over the batches}."""
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
@@ -97,7 +102,7 @@ def bench_batch(target, drafter, prompts, args, methods, constraint=None):
     d = Drafter.of(drafter, target=target)
 
     def run_base():  # model=: a cache kind's files (e.g. kv4 transforms) resolve against the model folder
-        return E.generate_ids(g, st, cfg, prompts, base_gen, model=target)
+        return [E.generate_ids(g, st, cfg, prompts, base_gen, model=target) for prompts in prompt_batches]
 
     def make_spec(method):
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
@@ -106,10 +111,13 @@ def bench_batch(target, drafter, prompts, args, methods, constraint=None):
                                                 "max_spelling": args.max_spelling})
 
         def run():  # built per call: a constraint's host session follows one generation
-            strategy, sargs = build_speculative(gen, len(prompts))
-            s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
-                             model=target)
-            return E.results(s), stats_of(s)
+            out = []
+            for prompts in prompt_batches:
+                strategy, sargs = build_speculative(gen, len(prompts))
+                s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
+                                 model=target)
+                out.append((E.results(s), stats_of(s)))
+            return out
         return run
 
     systems = {"target": run_base, **{m: make_spec(m) for m in methods}}
@@ -120,15 +128,19 @@ def bench_batch(target, drafter, prompts, args, methods, constraint=None):
         for name, fn in systems.items():
             _, dt = _timed(fn)
             best[name] = min(best[name], dt)
-    n_tok = sum(len(o) for o in outs["target"])  # every system emits these when identical
+    n_tok = sum(len(o) for ids in outs["target"] for o in ids)  # every system emits these when identical
     rows = {}
     for name in systems:
         r = {"tok_s": n_tok / best[name], "wall_s": best[name]}
         if name != "target":
-            ids, stats = outs[name]
-            r.update(identical=ids == outs["target"], speedup=best["target"] / best[name],
-                     acceptance=stats["acceptance_rate"], mean_accepted=stats["mean_accepted_length"],
-                     calls_per_token=stats["target_calls_per_token"])
+            stats = [st_ for _, st_ in outs[name]]
+            total = {x: sum(st_[x] for st_ in stats) for x in ("drafted", "accepted", "target_calls", "tokens")}
+            longest = sum(max((len(o) for o in ids), default=0) for ids, _ in outs[name])
+            r.update(identical=[ids for ids, _ in outs[name]] == outs["target"], speedup=best["target"] / best[name],
+                     acceptance=total["accepted"] / max(total["drafted"], 1),
+                     mean_accepted=sum(st_["mean_accepted_length"] * st_["tokens"] for st_ in stats)
+                     / max(total["tokens"], 1),
+                     calls_per_token=total["target_calls"] / max(longest, 1))
         rows[name] = r
     return rows
 
@@ -279,6 +291,8 @@ def main(argv=None):
                     help="sd / tli: drafter tokens per target token in the catch-up (SpeculativeConfig.max_spelling)")
     ap.add_argument("--methods", default="tli,slem")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--b1-prompts", type=int, default=8,
+                    help="batch 1 decodes each of this many prompts alone, one after another, and times the sum")
     ap.add_argument("--drafter-init", default="scratch", choices=("scratch", "target"),
                     help="scratch: a small Llama with its own BPE; target: SmolLM2's tokenizer pruned to "
                          "--drafter-vocab tokens, its embeddings and first --drafter-layers blocks, distilled on "
@@ -332,14 +346,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts_all = []
-    for text in rng.permutation(len(held))[: max(batches)]:
+    n_prompts = max(max(batches), args.b1_prompts)
+    for text in rng.permutation(len(held))[:n_prompts]:
         ids = target.encode(held[int(text)])
         s = int(rng.integers(0, max(1, len(ids) - args.prompt_tokens)))
         prompts_all.append(ids[s: s + args.prompt_tokens])
     constraint = None
     if args.json_schema:
         constraint = schema_constraint(args.json_schema, target)
-        prompts_all = tool_prompts(target, max(batches))
+        prompts_all = tool_prompts(target, n_prompts)
     methods = [m for m in args.methods.split(",") if m]
     results = {}
     print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
@@ -348,7 +363,10 @@ def main(argv=None):
           + (f", JSON schema {args.json_schema!r} (masked drafts: {not args.no_mask_drafts})" if constraint else ""))
     print(f"{'B':>3} {'system':>8} {'tok/s':>8} {'speedup':>8} {'identical':>9} {'accept':>7} {'calls/tok':>9}")
     for B in batches:
-        rows = bench_batch(target, drafter, prompts_all[:B], args, methods, constraint)
+        # batch 1: each of the first --b1-prompts prompts alone, one after another (one prompt's
+        # acceptance is not the drafter's); batch B > 1: the first B prompts together
+        prompt_batches = [[p] for p in prompts_all[: args.b1_prompts]] if B == 1 else [prompts_all[:B]]
+        rows = bench_batch(target, drafter, prompt_batches, args, methods, constraint)
         results[B] = rows
         nan = float("nan")
         for name, r in rows.items():
