@@ -259,7 +259,8 @@ def train_target_drafter(args, target, texts):
         if step % 100 == 0 or step == args.drafter_steps - 1:
             _, held = loss_fn(params, eval_x, eval_y)
             print(f"  drafter step {step}: loss {float(loss):.3f}, label agreement {float(acc):.3f} "
-                  f"(held-out windows {float(held):.3f}), {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"(held-out rows, windows of the same files: {float(held):.3f}), "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
     nnx.replace_by_pure_dict(state, params)
     model = pallasite.Model(cfg, state, tok, g)
     os.makedirs(folder, exist_ok=True)

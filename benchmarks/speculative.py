@@ -18,6 +18,10 @@ speculative decoding with each ``--methods`` entry are timed in turn (A B C A B 
 another, batch 8 the first 8 together; tokens/s = tokens made / wall time (prefill included).
 ``greedy_identical``: every speculative output equals the target's. Acceptance / calls per token
 come from the strategy's counters (``speculative.stats_of``), pooled over the batch-1 prompts.
+``teacher_forced_b1``: the drafter's top-1 agreement with the target's greedy tokens, teacher-forced
+on each batch-1 prompt's target continuation (``teacher_forced_agreement``, tli's ``t2d`` context),
+pooled and per prompt, printed beside each method's in-loop acceptance per prompt: what the drafter
+can do, apart from the loop's timing.
 ``acceptance_real_pair`` (``--quick`` only): SLEM's acceptance at K = ``--k`` of the off-the-shelf
 Gemma 3 270M and SmolLM2-135M drafting for each other on four prompts (greedy identity asserted).
 ``--real-pair`` measures a pair of offline models (or
@@ -132,7 +136,9 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
     rows = {}
     for name in systems:
         r = {"tok_s": n_tok / best[name], "wall_s": best[name]}
-        if name != "target":
+        if name == "target":
+            r["ids"] = outs["target"]  # per batch, per row: the target's greedy tokens
+        else:
             stats = [st_ for _, st_ in outs[name]]
             total = {x: sum(st_[x] for st_ in stats) for x in ("drafted", "accepted", "target_calls", "tokens")}
             longest = sum(max((len(o) for o in ids), default=0) for ids, _ in outs[name])
@@ -140,7 +146,8 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
                      acceptance=total["accepted"] / max(total["drafted"], 1),
                      mean_accepted=sum(st_["mean_accepted_length"] * st_["tokens"] for st_ in stats)
                      / max(total["tokens"], 1),
-                     calls_per_token=total["target_calls"] / max(longest, 1))
+                     calls_per_token=total["target_calls"] / max(longest, 1),
+                     acceptance_per_batch=[round(st_["accepted"] / max(st_["drafted"], 1), 3) for st_ in stats])
         rows[name] = r
     return rows
 
@@ -356,7 +363,7 @@ def main(argv=None):
         constraint = schema_constraint(args.json_schema, target)
         prompts_all = tool_prompts(target, n_prompts)
     methods = [m for m in args.methods.split(",") if m]
-    results = {}
+    results, teacher_forced = {}, None
     print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
           f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "
           f"trained {train_s:.0f} s); K={args.k}, {args.new_tokens} new tokens, greedy"
@@ -368,6 +375,16 @@ def main(argv=None):
         prompt_batches = [[p] for p in prompts_all[: args.b1_prompts]] if B == 1 else [prompts_all[:B]]
         rows = bench_batch(target, drafter, prompt_batches, args, methods, constraint)
         results[B] = rows
+        if B == 1 and constraint is None:  # what the drafter can do, without the loop's timing
+            teacher = [teacher_forced_agreement(target, drafter, [(len(p[0]), list(p[0]) + list(ids[0]))])["t2d"]
+                       for p, ids in zip(prompt_batches, rows["target"]["ids"])]
+            hits = sum(t["agreement"] * t["positions"] for t in teacher)
+            teacher_forced = {"agreement": round(hits / max(sum(t["positions"] for t in teacher), 1), 3),
+                              "per_prompt": [round(t["agreement"], 3) for t in teacher]}
+            print(f"teacher-forced agreement of the drafter with the target's greedy tokens on the batch-1 "
+                  f"prompts' continuations: {teacher_forced['agreement']} (per prompt {teacher_forced['per_prompt']})")
+            for m in methods:
+                print(f"  {m} acceptance per batch-1 prompt: {rows[m]['acceptance_per_batch']}")
         nan = float("nan")
         for name, r in rows.items():
             print(f"{B:>3} {name:>8} {r['tok_s']:>8.1f} {r.get('speedup', 1.0):>8.2f} "
@@ -383,6 +400,7 @@ def main(argv=None):
         "speedup_wall_b1": round(best[1][0], 3) if 1 in best else None,
         "speedup_wall_b8": round(best[8][0], 3) if 8 in best else None,
         "best_method": {f"b{B}": best[B][1] for B in batches},
+        "teacher_forced_b1": teacher_forced,
         "acceptance_real_pair": real_pair_acceptance(args) if args.quick else None,
         "json_schema": args.json_schema, "mask_drafts": bool(constraint) and not args.no_mask_drafts,
         "device": jax.default_backend(),
