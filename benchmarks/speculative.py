@@ -20,8 +20,9 @@ another, batch 8 the first 8 together; tokens/s = tokens made / wall time (prefi
 come from the strategy's counters (``speculative.stats_of``), pooled over the batch-1 prompts.
 ``teacher_forced_b1``: the drafter's top-1 agreement with the target's greedy tokens, teacher-forced
 on each batch-1 prompt's target continuation (``teacher_forced_agreement``, tli's ``t2d`` context),
-pooled and per prompt, printed beside each method's in-loop acceptance per prompt: what the drafter
-can do, apart from the loop's timing.
+pooled and per prompt, printed beside each method's in-loop acceptance per prompt (what the drafter
+can do, apart from the loop's timing), and the share of the target's tokens a drafter token spells
+(``in_intersection``: the most tli can ever accept).
 ``acceptance_real_pair`` (``--quick`` only): SLEM's acceptance at K = ``--k`` of the off-the-shelf
 Gemma 3 270M and SmolLM2-135M drafting for each other on four prompts (greedy identity asserted).
 ``--real-pair`` measures a pair of offline models (or
@@ -186,6 +187,9 @@ def teacher_forced_agreement(target, drafter, texts_ids):
     mask = np.zeros(V_D, bool)
     mask[: len(on)] = on
     hits = {"canonical": [0, 0], "t2d": [0, 0]}
+    # target tokens a drafter token spells exactly: the only ones tli / sd can ever draft
+    single = (pm.t2d_len == 1) & (pm.d2t[np.maximum(pm.t2d[:, 0], 0)] == np.arange(len(pm.t2d_len)))
+    reachable = sum(int(single[ids[j]]) for p, ids in texts_ids for j in range(p, len(ids)))
     for prompt_len, ids in texts_ids:
         t_off = np.cumsum([0] + [T.nbytes(i) for i in ids])
         text = T.text_of(ids)
@@ -205,7 +209,8 @@ def teacher_forced_agreement(target, drafter, texts_ids):
                 hits[name][0] += int(pm.d2t[d] == ids[j])
                 hits[name][1] += 1
     n_target = sum(len(ids) - p for p, ids in texts_ids)
-    return {k: {"agreement": h[0] / max(h[1], 1), "positions": h[1], "of": n_target} for k, h in hits.items()}
+    return {k: {"agreement": h[0] / max(h[1], 1), "positions": h[1], "of": n_target,
+                "in_intersection": reachable / max(n_target, 1)} for k, h in hits.items()}
 
 
 def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float = 0.0, max_spelling: int = 16):
@@ -379,10 +384,14 @@ def main(argv=None):
             teacher = [teacher_forced_agreement(target, drafter, [(len(p[0]), list(p[0]) + list(ids[0]))])["t2d"]
                        for p, ids in zip(prompt_batches, rows["target"]["ids"])]
             hits = sum(t["agreement"] * t["positions"] for t in teacher)
+            n_pos = sum(t["of"] for t in teacher)
             teacher_forced = {"agreement": round(hits / max(sum(t["positions"] for t in teacher), 1), 3),
-                              "per_prompt": [round(t["agreement"], 3) for t in teacher]}
+                              "per_prompt": [round(t["agreement"], 3) for t in teacher],
+                              "in_intersection": round(sum(t["in_intersection"] * t["of"] for t in teacher)
+                                                       / max(n_pos, 1), 3)}
             print(f"teacher-forced agreement of the drafter with the target's greedy tokens on the batch-1 "
-                  f"prompts' continuations: {teacher_forced['agreement']} (per prompt {teacher_forced['per_prompt']})")
+                  f"prompts' continuations: {teacher_forced['agreement']} (per prompt {teacher_forced['per_prompt']}); "
+                  f"target tokens in V_T ∩ V_D: {teacher_forced['in_intersection']}")
             for m in methods:
                 print(f"  {m} acceptance per batch-1 prompt: {rows[m]['acceptance_per_batch']}")
         nan = float("nan")
