@@ -1,4 +1,5 @@
-"""``benchmarks.spec_drafter.teacher_labels``: drafter rows labelled with the target's greedy tokens."""
+"""Benchmark helpers of speculative decoding: ``spec_drafter.teacher_labels`` (drafter rows labelled with
+the target's greedy tokens) and ``speculative.teacher_forced_agreement`` (the drafter's top-1 agreement)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +51,50 @@ def test_other_tokenizer_labels_boundaries_by_the_target_and_the_rest_by_the_tex
                 assert lab[m] == row[m + 1]
                 n_intra += 1
     assert n_intra and n_from_target  # both kinds of position were exercised
+
+
+def _continuations(target, n: int = 3, new: int = 12):
+    from pallasite.inference.config import GenerationConfig
+    from pallasite.inference.engine import generate_ids
+
+    prompts = [target.encode(TEXTS[i][:60]) for i in range(n)]
+    outs = generate_ids(target.graphdef, target.state, target.config, prompts,
+                        GenerationConfig(max_new_tokens=new, stop_tokens=()))
+    return [(len(p), list(p) + list(o)) for p, o in zip(prompts, outs)]
+
+
+def test_teacher_forced_agreement_of_the_target_with_itself_is_one_and_of_another_model_its_argmax_share():
+    from pallasite.benchmarks.speculative import teacher_forced_agreement
+
+    target = _target()
+    texts = _continuations(target)
+    same = teacher_forced_agreement(target, target, texts)
+    assert same["t2d"]["agreement"] == 1.0 and same["t2d"]["in_intersection"] == 1.0
+    assert same["t2d"]["positions"] == same["t2d"]["of"] == 3 * 12
+    # another model on the same tokenizer: the share of positions where its own argmax after the
+    # target's prefix is the target's greedy token, recomputed here from one forward per text
+    tok = target.tokenizer
+    cfg, g, st = random_model(len(tok), seed=7, scale=4.0)
+    other = pallasite.Model(cfg, st, tok, g)
+    hits = 0
+    for p, ids in texts:
+        pred = np.asarray(jnp.argmax(forward(g, st, jnp.asarray([ids[:-1]], jnp.int32))[0][0], -1))
+        hits += int((pred[p - 1:] == np.asarray(ids[p:])).sum())
+    got = teacher_forced_agreement(target, other, texts)["t2d"]
+    assert got["agreement"] == hits / (3 * 12) < 1.0
+
+
+def test_teacher_forced_share_in_the_intersection_is_the_share_of_target_tokens_a_drafter_token_spells():
+    from pallasite.benchmarks.speculative import teacher_forced_agreement
+
+    target = _target()
+    dtok = drafter_tokenizer()
+    cfg, g, st = random_model(len(dtok), seed=5)
+    drafter = pallasite.Model(cfg, st, dtok, g)
+    texts = _continuations(target)
+    pm = pair_map(target.tokenizer, dtok)
+    drafter_strings = {b for b in pm.drafter.bytes if b}
+    cont = [t for p, ids in texts for t in ids[p:]]
+    want = sum(pm.target.bytes[t] in drafter_strings for t in cont) / len(cont)
+    got = teacher_forced_agreement(target, drafter, texts)["t2d"]["in_intersection"]
+    assert 0.0 < want < 1.0 and got == want
