@@ -29,18 +29,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+DEFAULT_CORPUS_BYTES = 3_000_000  # --corpus-bytes: the training split's first 3 MB (151 of its 530 files)
+
 
 def drafter_dir(args) -> str:
     root = os.environ.get("PALLASITE_SPEC_DRAFTER") or os.path.join(tempfile.gettempdir(), "pallasite_spec_drafter")
+    # another corpus is another drafter (other vocabulary, other labels); the default keeps its old names
+    corpus = "" if args.corpus_bytes == DEFAULT_CORPUS_BYTES else f"_c{args.corpus_bytes}"
     if args.drafter_init == "target":
         tag = f"pruned_v{args.drafter_vocab}_l{args.drafter_layers}_s{args.drafter_steps}_w{args.label_windows}"
         if args.distill_prompts:
             tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
-        return os.path.join(root, tag)
+        return os.path.join(root, tag + corpus)
     tag = f"v{args.drafter_vocab}_d{args.drafter_d}_l{args.drafter_layers}_s{args.drafter_steps}"
     if args.distill_prompts:
         tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
-    return os.path.join(root, tag)
+    return os.path.join(root, tag + corpus)
 
 
 def distill_texts(args, target, texts):

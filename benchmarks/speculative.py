@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallasite.benchmarks.spec_drafter import distill_texts, train_drafter, train_target_drafter
+from pallasite.benchmarks.spec_drafter import DEFAULT_CORPUS_BYTES, distill_texts, train_drafter, train_target_drafter
 
 
 def make_drafter(args, target, train):
@@ -316,7 +316,8 @@ def main(argv=None):
     ap.add_argument("--drafter-d", type=int, default=192)
     ap.add_argument("--drafter-layers", type=int, default=4)
     ap.add_argument("--drafter-steps", type=int, default=800)
-    ap.add_argument("--corpus-bytes", type=int, default=3_000_000)
+    ap.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES,
+                    help="the drafter's training text: the stdlib training split's first this many bytes (0: all)")
     ap.add_argument("--distill-prompts", type=int, default=0,
                     help="also train the drafter on the target's greedy continuations of this many training-split "
                          "windows (sequence-level distillation; with --drafter-init target half of the "
