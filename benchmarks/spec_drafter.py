@@ -190,17 +190,40 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
     return np.asarray(inputs, np.int32), np.asarray(labels, np.int32)
 
 
+def target_cut(target, tok, kept, layers):
+    """A drafter Model cut from ``target``: tokenizer ``tok`` (``prune_bpe``'s, keeping the target
+    ids ``kept``), those ids' embedding rows (and LM-head columns when untied), the target's blocks
+    ``layers`` (in that order) and its final norm."""
+    import dataclasses
+
+    from flax import nnx
+
+    import pallasite
+    from pallasite.models.transformer import abstract_model
+
+    layers = list(layers)
+    cfg = dataclasses.replace(target.config, n_layers=len(layers), vocab_size=len(tok),
+                              eos_token_id=(tok.eos_token_id,), bos_token_id=tok.bos_token_id,
+                              pad_token_id=tok.pad_token_id, layer_types=None)
+    full, rows = nnx.to_pure_dict(target.state), jnp.asarray(kept)
+    g, state = nnx.split(abstract_model(cfg))
+    params = {"embed": {"embedding": jnp.asarray(full["embed"]["embedding"])[rows]}, "final_norm": full["final_norm"],
+              "layers": {j: full["layers"][layer] for j, layer in enumerate(layers)}}
+    if "lm_head" in full:  # untied: the LM head's columns of the kept tokens
+        params["lm_head"] = {"kernel": jnp.asarray(full["lm_head"]["kernel"])[:, rows]}
+    nnx.replace_by_pure_dict(state, params)
+    return pallasite.Model(cfg, state, tok, g)
+
+
 def train_target_drafter(args, target, texts):
     """(Model, seconds): the pruned-vocabulary drafter initialised from the target (module doc),
     fine-tuned for ``--drafter-steps`` steps of 16 rows on ``--label-windows`` labelled windows."""
-    import dataclasses
-
     import optax
     from flax import nnx
 
     import pallasite
     from pallasite.models.tokenizer import prune_bpe
-    from pallasite.models.transformer import abstract_model, forward
+    from pallasite.models.transformer import forward
 
     folder = drafter_dir(args)
     if os.path.exists(os.path.join(folder, "done")):
@@ -224,15 +247,8 @@ def train_target_drafter(args, target, texts):
             inputs, labels = inputs[order], labels[order]
         os.makedirs(folder, exist_ok=True)
         np.savez(labels_file, inputs=inputs, labels=labels)
-    tcfg = target.config
-    cfg = dataclasses.replace(tcfg, n_layers=args.drafter_layers, vocab_size=len(tok), eos_token_id=(tok.eos_token_id,),
-                              bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, layer_types=None)
-    full = nnx.to_pure_dict(target.state)
-    g, state = nnx.split(abstract_model(cfg))
-    params = {"embed": {"embedding": jnp.asarray(full["embed"]["embedding"])[jnp.asarray(kept)]},
-              "final_norm": full["final_norm"],
-              "layers": {j: full["layers"][j] for j in range(args.drafter_layers)}}
-    nnx.replace_by_pure_dict(state, params)
+    cut = target_cut(target, tok, kept, range(args.drafter_layers))
+    cfg, g, state = cut.config, cut.graphdef, cut.state
     params = nnx.to_pure_dict(state)
     warm = min(50, max(1, args.drafter_steps // 10))
     sched = optax.warmup_cosine_decay_schedule(0.0, args.drafter_lr, warm, max(args.drafter_steps, warm + 1),

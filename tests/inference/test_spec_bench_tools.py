@@ -1,0 +1,61 @@
+"""Speculative decoding's measuring tools: ``benchmarks/spec_round_cost`` (the cost model's
+arithmetic: the acceptance a speed-up needs, the speed-up a measured calls-per-token predicts; its
+flags' errors) and ``benchmarks/spec_layer_skip`` (which target blocks a cut drafter keeps)."""
+
+import pytest
+
+from pallasite.benchmarks import spec_layer_skip as L
+from pallasite.benchmarks import spec_round_cost as R
+
+
+@pytest.mark.parametrize("K", [1, 3, 8])
+@pytest.mark.parametrize("cost", [1.1, 1.5, 2.2])
+def test_acceptance_needed_inverts_tokens_per_round(K, cost):
+    for speedup in (1.0, 1.3, 1.5):
+        a = R.acceptance_needed(cost, K, speedup)
+        if speedup * cost > K + 1:
+            assert a is None
+            continue
+        # a is the root to its 3 printed decimals: a little more reaches the speed-up, a little less does not
+        assert R.tokens_per_round(min(a + 1e-3, 1.0), K) / cost >= speedup
+        assert R.tokens_per_round(a - 1e-3, K) / cost < speedup
+
+
+def test_tokens_per_round_ends():
+    assert R.tokens_per_round(0.0, 3) == 1.0  # every draft rejected: the target's own token
+    assert R.tokens_per_round(1.0, 3) == 4.0  # every draft accepted, plus the bonus token
+    assert R.tokens_per_round(0.5, 2) == pytest.approx(1.75)
+
+
+def test_predicted_speedup_is_tokens_per_round_over_cost():
+    # 0.5 calls per token = 2 tokens a round; a round of 1.6 target steps -> 1.25x
+    assert R.predicted_speedup(0.5, 1.6) == pytest.approx(1.25)
+    # the i.i.d. model and the prediction agree: calls per token = 1 / tokens per round
+    tpr, cost = R.tokens_per_round(0.6, 3), 1.5
+    assert R.predicted_speedup(1 / tpr, cost) == pytest.approx(tpr / cost)
+
+
+def test_calls_per_token_flag():
+    assert R.parse_calls_per_token("1=0.604,8=0.906") == {1: 0.604, 8: 0.906}
+    assert R.parse_calls_per_token("") == {}
+    for bad in ("1:0.6", "one=0.6", "1=1.5", "1=0", "8"):
+        with pytest.raises(SystemExit, match="--calls-per-token"):
+            R.parse_calls_per_token(bad)
+
+
+def test_flag_errors_are_one_line():
+    with pytest.raises(SystemExit, match="--drafter-shape 'two': expected LAYERSxVOCAB"):
+        R.shape_drafter(None, "two")
+    with pytest.raises(SystemExit, match="not both"):
+        R.main(["--drafter", "x", "--drafter-shape", "2x8192"])
+    with pytest.raises(SystemExit, match="--measured-k 5: not among --ks"):
+        R.main(["--calls-per-token", "1=0.6", "--measured-k", "5", "--ks", "1,2"])
+
+
+def test_layer_subsets_parse_ranges_steps_and_lists():
+    assert L.parse_subsets("0-1;0-2,28-29;0-8:4;7", 30) == [[0, 1], [0, 1, 2, 28, 29], [0, 4, 8], [7]]
+    assert [len(b) for b in L.parse_subsets(L.DEFAULT_SUBSETS, 30)] == [30, 2, 4, 20, 16, 4, 15, 24]
+    with pytest.raises(SystemExit, match="outside 0-29"):
+        L.parse_subsets("0-30", 30)
+    with pytest.raises(SystemExit, match="'a-b' is not a block range"):
+        L.parse_subsets("0-1;a-b", 30)
