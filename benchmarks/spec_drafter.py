@@ -7,7 +7,8 @@
   ``--drafter-vocab`` most frequent tokens (``models.tokenizer.prune_bpe``: other ids, other splits,
   so TLI / SLEM map between two vocabularies), the target's embedding rows of those tokens, its
   first ``--drafter-layers`` blocks and its final norm, fine-tuned by token-level distillation on the
-  target's teacher-forced greedy tokens (DistillSpec's finding, Zhou et al. 2024: an on-policy /
+  target's teacher-forced greedy tokens or, with ``--label-top-k K``, on its top-K distribution
+  (forward KL, ``teacher_labels``) (DistillSpec's finding, Zhou et al. 2024: an on-policy /
   teacher-label objective aligns a drafter with its target far better than the corpus; the
   target's embeddings as a drafter's starting point as in EAGLE / Medusa heads, here without the
   target's hidden states so that the drafter stays a model of its own). With ``--distill-prompts``
@@ -38,6 +39,8 @@ def drafter_dir(args) -> str:
     corpus = "" if args.corpus_bytes == DEFAULT_CORPUS_BYTES else f"_c{args.corpus_bytes}"
     if args.drafter_init == "target":
         tag = f"pruned_v{args.drafter_vocab}_l{args.drafter_layers}_s{args.drafter_steps}_w{args.label_windows}"
+        if args.label_top_k:
+            tag += f"_top{args.label_top_k}"
         if args.distill_prompts:
             tag += f"_kd{args.distill_prompts}x{args.distill_new_tokens}"
         return os.path.join(root, tag + corpus)
@@ -145,14 +148,19 @@ def train_drafter(args, texts, distilled=()):
 
 
 def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144, seq: int = 128,
-                   seed: int = 2):
-    """Drafter-token training rows labelled by the target: ``(inputs [N, seq+1], labels [N, seq])``.
+                   seed: int = 2, top_k: int = 0):
+    """Drafter-token training rows labelled by the target: {"inputs": [N, seq+1], "labels": [N, seq]}
+    and, with ``top_k``, the soft labels {"soft_ids", "soft_p"}: [N, seq, top_k].
 
     ``n_windows`` windows of ``window`` target tokens are cut from ``texts``; the target's argmax
     at every position is its greedy next token. Each window's text is re-encoded by the drafter's
     tokenizer; a drafter position that ends on a target-token boundary is labelled with the first
     drafter token of the target's greedy token there (what tli would have to draft), one inside a
-    target token with the drafter's next token of the text (the rest of that token's spelling)."""
+    target token with the drafter's next token of the text (the rest of that token's spelling).
+    Soft labels (forward-KL distillation, DistillSpec, Zhou et al. 2024): at a boundary the target's
+    ``top_k`` most likely tokens, each as its first drafter token (tokens sharing one add up),
+    probabilities renormalised over those the drafter can spell; inside a token the text's next
+    drafter token with probability 1 (the spelling is fixed there)."""
     from pallasite.inference.speculative import pair_map
     from pallasite.models.transformer import forward
 
@@ -166,12 +174,21 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
         if len(ids) > window + 1:
             s = int(rng.integers(0, len(ids) - window))
             windows.append(ids[s: s + window])
-    fwd = jax.jit(lambda x: jnp.argmax(forward(target.graphdef, target.state, x)[0], -1))
-    inputs, labels, t0 = [], [], time.perf_counter()
+    def top(x):
+        logits = forward(target.graphdef, target.state, x)[0]
+        greedy = jnp.argmax(logits, -1)
+        if not top_k:
+            return greedy, greedy[..., None], jnp.ones(greedy.shape + (1,), jnp.float32)
+        p, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), top_k)
+        return greedy, ids, p
+
+    fwd = jax.jit(top)
+    k_soft = max(top_k, 1)
+    inputs, labels, soft_ids, soft_p, t0 = [], [], [], [], time.perf_counter()
     for b in range(0, n_windows, 16):
         rows = windows[b: b + 16]
-        greedy = np.asarray(fwd(jnp.asarray(rows, jnp.int32)))
-        for ids, g in zip(rows, greedy):
+        greedy, top_ids, top_p = (np.asarray(a) for a in fwd(jnp.asarray(rows, jnp.int32)))
+        for ids, g, t_ids, t_p in zip(rows, greedy, top_ids, top_p):
             t_off = np.cumsum([0] + [T.nbytes(i) for i in ids])
             dids, _ = D.encode(T.text_of(ids))
             if len(dids) < S + 1:
@@ -179,15 +196,26 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
             d_off = np.cumsum([0] + [D.nbytes(i) for i in dids])
             boundary = {int(o): j for j, o in enumerate(t_off[1:])}  # bytes after target tokens 0..j
             lab = np.asarray(dids[1: S + 1], np.int64)
+            s_ids, s_p = np.zeros((S, k_soft), np.int64), np.zeros((S, k_soft), np.float32)
+            s_ids[:, 0], s_p[:, 0] = lab, 1.0
             for m in range(S):
                 j = boundary.get(int(d_off[m + 1]))
                 if j is not None and pm.t2d_len[g[j]] > 0:
-                    lab[m] = pm.t2d[g[j], 0]
+                    lab[m] = s_ids[m, 0] = pm.t2d[g[j], 0]
+                    if top_k:
+                        spelled = pm.t2d_len[t_ids[j]] > 0
+                        s_ids[m] = np.where(spelled, pm.t2d[t_ids[j], 0], 0)
+                        s_p[m] = np.where(spelled, t_p[j], 0.0) / max(float(t_p[j][spelled].sum()), 1e-9)
             inputs.append(dids[: S + 1])
             labels.append(lab)
+            soft_ids.append(s_ids)
+            soft_p.append(s_p)
         print(f"  teacher labels: {min(b + 16, n_windows)}/{n_windows} windows, {time.perf_counter() - t0:.0f} s",
               flush=True)
-    return np.asarray(inputs, np.int32), np.asarray(labels, np.int32)
+    out = {"inputs": np.asarray(inputs, np.int32), "labels": np.asarray(labels, np.int32)}
+    if top_k:
+        out.update(soft_ids=np.asarray(soft_ids, np.int32), soft_p=np.asarray(soft_p, np.float32))
+    return out
 
 
 def target_cut(target, tok, kept, layers):
@@ -235,18 +263,18 @@ def train_target_drafter(args, target, texts):
     tok, kept = prune_bpe(target.tokenizer, texts, args.drafter_vocab)
     labels_file = os.path.join(folder, "labels.npz")
     if os.path.exists(labels_file):
-        z = np.load(labels_file)
-        inputs, labels = z["inputs"], z["labels"]
+        rows = dict(np.load(labels_file))
     else:
         n_own = args.label_windows // 2 if args.distill_prompts else 0
-        inputs, labels = teacher_labels(target, tok, texts, args.label_windows - n_own)
+        rows = teacher_labels(target, tok, texts, args.label_windows - n_own, top_k=args.label_top_k)
         if n_own:  # half the windows from the target's own greedy continuations (what it drafts against)
-            own_x, own_y = teacher_labels(target, tok, distill_texts(args, target, texts), n_own, seed=3)
-            inputs, labels = np.concatenate([own_x, inputs]), np.concatenate([own_y, labels])
-            order = np.random.default_rng(4).permutation(len(inputs))  # held-out rows from both sources
-            inputs, labels = inputs[order], labels[order]
+            own = teacher_labels(target, tok, distill_texts(args, target, texts), n_own, seed=3, top_k=args.label_top_k)
+            order = np.random.default_rng(4).permutation(len(rows["inputs"]) + len(own["inputs"]))  # held-out rows
+            rows = {k: np.concatenate([own[k], v])[order] for k, v in rows.items()}  # from both sources
         os.makedirs(folder, exist_ok=True)
-        np.savez(labels_file, inputs=inputs, labels=labels)
+        np.savez(labels_file, **rows)
+    inputs, labels = rows["inputs"], rows["labels"]
+    soft = (rows["soft_ids"], rows["soft_p"]) if args.label_top_k else None
     cut = target_cut(target, tok, kept, range(args.drafter_layers))
     cfg, g, state = cut.config, cut.graphdef, cut.state
     params = nnx.to_pure_dict(state)
@@ -256,16 +284,19 @@ def train_target_drafter(args, target, texts):
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
     opt_state = opt.init(params)
 
-    def loss_fn(p, x, y):
+    def loss_fn(p, x, y, soft_ids=None, soft_p=None):
         st = nnx.State(state)
         nnx.replace_by_pure_dict(st, p)
         logits = forward(g, st, x)[0]
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        if soft_ids is None:  # the target's greedy token (hard label)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        else:  # forward KL to the target's top-k (up to its constant entropy)
+            ce = -(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), soft_ids, -1) * soft_p).sum(-1)
         return ce.mean(), (jnp.argmax(logits, -1) == y).mean()
 
     @jax.jit
-    def update(p, o, x, y):
-        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, x, y)
+    def update(p, o, x, y, *soft):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, x, y, *soft)
         upd, o = opt.update(grads, o, p)
         return optax.apply_updates(p, upd), o, loss, acc
 
@@ -275,7 +306,9 @@ def train_target_drafter(args, target, texts):
     tr_x, tr_y = inputs[n_eval:, :-1], labels[n_eval:]
     for step in range(args.drafter_steps):
         idx = rng.integers(0, len(tr_x), 16)
-        params, opt_state, loss, acc = update(params, opt_state, jnp.asarray(tr_x[idx]), jnp.asarray(tr_y[idx]))
+        batch_soft = () if soft is None else tuple(jnp.asarray(a[n_eval:][idx]) for a in soft)
+        params, opt_state, loss, acc = update(params, opt_state, jnp.asarray(tr_x[idx]), jnp.asarray(tr_y[idx]),
+                                              *batch_soft)
         if step % 100 == 0 or step == args.drafter_steps - 1:
             _, held = loss_fn(params, eval_x, eval_y)
             print(f"  drafter step {step}: loss {float(loss):.3f}, label agreement {float(acc):.3f} "

@@ -339,6 +339,9 @@ def main(argv=None):
     ap.add_argument("--label-windows", type=int, default=2048,
                     help="--drafter-init target: windows of 144 target tokens labelled by the target")
     ap.add_argument("--drafter-lr", type=float, default=5e-4, help="--drafter-init target: peak learning rate")
+    ap.add_argument("--label-top-k", type=int, default=0,
+                    help="--drafter-init target: distil on the target's top-k distribution (forward KL) instead of "
+                         "its greedy token (0)")
     ap.add_argument("--drafter-vocab", type=int, default=2048)
     ap.add_argument("--drafter-d", type=int, default=192)
     ap.add_argument("--drafter-layers", type=int, default=4)

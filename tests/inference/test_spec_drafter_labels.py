@@ -27,7 +27,8 @@ def test_same_tokenizer_labels_are_the_targets_argmax():
     # drafter tokenizer == target tokenizer: every position is a boundary and t2d is the identity, so
     # every label must be the target's own argmax after the row's prefix
     target = _target()
-    x, y = teacher_labels(target, target.tokenizer, TEXTS, n_windows=6, window=40, seq=24)
+    rows = teacher_labels(target, target.tokenizer, TEXTS, n_windows=6, window=40, seq=24)
+    x, y = rows["inputs"], rows["labels"]
     assert x.shape == (6, 25) and y.shape == (6, 24)
     greedy = np.asarray(jnp.argmax(forward(target.graphdef, target.state, jnp.asarray(x[:, :-1]))[0], -1))
     np.testing.assert_array_equal(y, greedy)
@@ -39,7 +40,8 @@ def test_other_tokenizer_labels_boundaries_by_the_target_and_the_rest_by_the_tex
     dtok = drafter_tokenizer()
     pm = pair_map(target.tokenizer, dtok)
     T, D = pm.target, pm.drafter
-    x, y = teacher_labels(target, dtok, TEXTS, n_windows=6, window=40, seq=24)
+    rows = teacher_labels(target, dtok, TEXTS, n_windows=6, window=40, seq=24)
+    x, y = rows["inputs"], rows["labels"]
     spellings = {pm.t2d[t, 0] for t in range(T.size) if pm.t2d_len[t] > 0}
     n_intra = n_from_target = 0
     for row, lab in zip(x, y):
@@ -122,3 +124,44 @@ def test_target_cut_keeps_the_named_rows_and_blocks():
     for j, layer in enumerate(layers):
         for a, b in zip(jax.tree.leaves(got["layers"][j]), jax.tree.leaves(full["layers"][layer])):
             np.testing.assert_array_equal(a, b)
+
+
+def test_soft_labels_are_the_targets_top_k_renormalised():
+    # same tokenizer: every position is a boundary and t2d is the identity, so the soft labels are
+    # the target's own top-k tokens with their probabilities over the top-k
+    target = _target()
+    rows = teacher_labels(target, target.tokenizer, TEXTS, n_windows=4, window=40, seq=24, top_k=3)
+    x, y, ids, p = rows["inputs"], rows["labels"], rows["soft_ids"], rows["soft_p"]
+    assert ids.shape == p.shape == (4, 24, 3)
+    probs = np.asarray(jax.nn.softmax(forward(target.graphdef, target.state, jnp.asarray(x[:, :-1]))[0], -1))
+    want_ids = np.argsort(-probs, -1)[..., :3]
+    want_p = np.take_along_axis(probs, want_ids, -1)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(p, want_p / want_p.sum(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_array_equal(ids[..., 0], y)  # the greedy token leads
+    # hard labels are unchanged by asking for soft ones
+    np.testing.assert_array_equal(y, teacher_labels(target, target.tokenizer, TEXTS, n_windows=4, window=40,
+                                                    seq=24)["labels"])
+
+
+def test_soft_labels_inside_a_target_token_are_the_spelling():
+    target = _target()
+    dtok = drafter_tokenizer()
+    pm = pair_map(target.tokenizer, dtok)
+    T, D = pm.target, pm.drafter
+    rows = teacher_labels(target, dtok, TEXTS, n_windows=4, window=40, seq=24, top_k=3)
+    x, y, ids, p = rows["inputs"], rows["labels"], rows["soft_ids"], rows["soft_p"]
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(ids[..., 0], y)  # the greedy token leads
+    spellings = {pm.t2d[t, 0] for t in range(T.size) if pm.t2d_len[t] > 0}
+    n_spread = 0
+    for row, r_ids, r_p in zip(x, ids, p):
+        t_off = set(np.cumsum([T.nbytes(i) for i in target.encode(D.text_of(row.tolist()).decode())]).tolist())
+        d_off = np.cumsum([D.nbytes(i) for i in row.tolist()])
+        for m in range(len(r_ids)):
+            if int(d_off[m]) in t_off:  # a boundary: first drafter pieces of the target's top tokens
+                assert set(r_ids[m][r_p[m] > 0].tolist()) <= spellings
+                n_spread += int((r_p[m] > 0).sum() > 1)
+            else:  # inside a target token: the text's next piece, certain
+                assert r_ids[m, 0] == row[m + 1] and r_p[m, 0] == 1.0 and not r_p[m, 1:].any()
+    assert n_spread  # some boundary carries more than the greedy token
