@@ -158,7 +158,7 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
     drafter token of the target's greedy token there (what tli would have to draft), one inside a
     target token with the drafter's next token of the text (the rest of that token's spelling).
     Soft labels (forward-KL distillation, DistillSpec, Zhou et al. 2024): at a boundary the target's
-    ``top_k`` most likely tokens, each as its first drafter token (tokens sharing one add up),
+    ``top_k`` most likely tokens, each as its first drafter token (tokens sharing one add up in the loss),
     probabilities renormalised over those the drafter can spell; inside a token the text's next
     drafter token with probability 1 (the spelling is fixed there)."""
     from pallasite.inference.speculative import pair_map
@@ -174,21 +174,17 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
         if len(ids) > window + 1:
             s = int(rng.integers(0, len(ids) - window))
             windows.append(ids[s: s + window])
-    def top(x):
+    def target_labels(x):  # the greedy token and, with top_k, the top-k (ids, probabilities)
         logits = forward(target.graphdef, target.state, x)[0]
-        greedy = jnp.argmax(logits, -1)
-        if not top_k:
-            return greedy, greedy[..., None], jnp.ones(greedy.shape + (1,), jnp.float32)
-        p, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), top_k)
-        return greedy, ids, p
+        p, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), top_k) if top_k else (None, None)
+        return jnp.argmax(logits, -1), ids, p
 
-    fwd = jax.jit(top)
-    k_soft = max(top_k, 1)
+    fwd = jax.jit(target_labels)
     inputs, labels, soft_ids, soft_p, t0 = [], [], [], [], time.perf_counter()
     for b in range(0, n_windows, 16):
         rows = windows[b: b + 16]
-        greedy, top_ids, top_p = (np.asarray(a) for a in fwd(jnp.asarray(rows, jnp.int32)))
-        for ids, g, t_ids, t_p in zip(rows, greedy, top_ids, top_p):
+        greedy, top_ids, top_p = (None if a is None else np.asarray(a) for a in fwd(jnp.asarray(rows, jnp.int32)))
+        for r, (ids, g) in enumerate(zip(rows, greedy)):
             t_off = np.cumsum([0] + [T.nbytes(i) for i in ids])
             dids, _ = D.encode(T.text_of(ids))
             if len(dids) < S + 1:
@@ -196,20 +192,23 @@ def teacher_labels(target, drafter_tok, texts, n_windows: int, window: int = 144
             d_off = np.cumsum([0] + [D.nbytes(i) for i in dids])
             boundary = {int(o): j for j, o in enumerate(t_off[1:])}  # bytes after target tokens 0..j
             lab = np.asarray(dids[1: S + 1], np.int64)
-            s_ids, s_p = np.zeros((S, k_soft), np.int64), np.zeros((S, k_soft), np.float32)
+            # soft: inside a target token the text's next piece with p = 1, at a boundary the top-k below
+            s_ids, s_p = np.zeros((S, max(top_k, 1)), np.int64), np.zeros((S, max(top_k, 1)), np.float32)
             s_ids[:, 0], s_p[:, 0] = lab, 1.0
             for m in range(S):
                 j = boundary.get(int(d_off[m + 1]))
                 if j is not None and pm.t2d_len[g[j]] > 0:
                     lab[m] = s_ids[m, 0] = pm.t2d[g[j], 0]
-                    if top_k:
-                        spelled = pm.t2d_len[t_ids[j]] > 0
-                        s_ids[m] = np.where(spelled, pm.t2d[t_ids[j], 0], 0)
-                        s_p[m] = np.where(spelled, t_p[j], 0.0) / max(float(t_p[j][spelled].sum()), 1e-9)
+                    if top_k:  # duplicate first pieces keep one entry each: the loss adds their p
+                        t_ids, t_p = top_ids[r, j], top_p[r, j]
+                        spelled = pm.t2d_len[t_ids] > 0
+                        s_ids[m] = np.where(spelled, pm.t2d[t_ids, 0], 0)
+                        s_p[m] = np.where(spelled, t_p, 0.0) / max(float(t_p[spelled].sum()), 1e-9)
             inputs.append(dids[: S + 1])
             labels.append(lab)
-            soft_ids.append(s_ids)
-            soft_p.append(s_p)
+            if top_k:
+                soft_ids.append(s_ids)
+                soft_p.append(s_p)
         print(f"  teacher labels: {min(b + 16, n_windows)}/{n_windows} windows, {time.perf_counter() - t0:.0f} s",
               flush=True)
     out = {"inputs": np.asarray(inputs, np.int32), "labels": np.asarray(labels, np.int32)}
@@ -256,6 +255,8 @@ def train_target_drafter(args, target, texts):
     folder = drafter_dir(args)
     if os.path.exists(os.path.join(folder, "done")):
         return pallasite.load(folder), 0.0
+    if args.label_top_k < 0:
+        raise SystemExit(f"--label-top-k {args.label_top_k}: expected 0 (greedy labels) or a positive k")
     if args.distill_prompts and args.prompt_tokens + args.distill_new_tokens < 146:
         raise SystemExit("--drafter-init target --distill-prompts: --prompt-tokens + --distill-new-tokens must be "
                          "at least 146 (labelled windows are 144 target tokens)")
@@ -304,9 +305,10 @@ def train_target_drafter(args, target, texts):
     n_eval = max(16, len(inputs) // 50)
     eval_x, eval_y = jnp.asarray(inputs[:n_eval, :-1]), jnp.asarray(labels[:n_eval])
     tr_x, tr_y = inputs[n_eval:, :-1], labels[n_eval:]
+    tr_soft = () if soft is None else tuple(a[n_eval:] for a in soft)
     for step in range(args.drafter_steps):
         idx = rng.integers(0, len(tr_x), 16)
-        batch_soft = () if soft is None else tuple(jnp.asarray(a[n_eval:][idx]) for a in soft)
+        batch_soft = tuple(jnp.asarray(a[idx]) for a in tr_soft)
         params, opt_state, loss, acc = update(params, opt_state, jnp.asarray(tr_x[idx]), jnp.asarray(tr_y[idx]),
                                               *batch_soft)
         if step % 100 == 0 or step == args.drafter_steps - 1:

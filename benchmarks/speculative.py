@@ -51,6 +51,9 @@ def make_drafter(args, target, train):
     """(drafter Model, training seconds) per ``--drafter-init`` (``benchmarks/spec_drafter.py``)."""
     if args.drafter_init == "target":
         return train_target_drafter(args, target, train)
+    if args.label_top_k:
+        raise SystemExit("--label-top-k: soft labels are for --drafter-init target (the scratch drafter has its "
+                         "own tokenizer and trains on text)")
     return train_drafter(args, train, distill_texts(args, target, train) if args.distill_prompts else ())
 
 
