@@ -43,6 +43,10 @@ class SpeculativeConfig:
     max_spelling       sd / tli: most drafter tokens one target token is spelled in when the drafter
                        catches up (its catch-up call is 1 + this wide, every round); a longer spelling
                        is cut, which shortens the drafter's context (acceptance only, never the output)
+    confidence_threshold  sd / tli / slem: a row drafts its next token only while the drafter's top
+                       probability there is >= this (DISCO / transformers' assistant_confidence_threshold;
+                       ``lookahead.py``), and the target verifies only as many positions as the round's
+                       widest row drafted; None: always K drafts and a (K + 1)-token verify
     """
 
     num_draft_tokens: int = 5
@@ -58,6 +62,7 @@ class SpeculativeConfig:
     mask_drafts: bool = True
     slrs_max_nodes: int = 256
     max_spelling: int = 16
+    confidence_threshold: Optional[float] = None
 
     def __post_init__(self):
         def need(ok, msg):
@@ -81,6 +86,10 @@ class SpeculativeConfig:
             need(is_int(self.max_target_draft) and self.max_target_draft >= 1,
                  f"max_target_draft must be an integer >= 1 or None; got {self.max_target_draft!r}")
         need(isinstance(self.mask_drafts, bool), f"mask_drafts must be True or False; got {self.mask_drafts!r}")
+        if self.confidence_threshold is not None:
+            tau = self.confidence_threshold
+            need(isinstance(tau, (int, float)) and not isinstance(tau, bool) and 0.0 < tau <= 1.0,
+                 f"confidence_threshold must be a probability in (0, 1] or None; got {tau!r}")
         need(isinstance(self.drafter_len_ratio, (int, float)) and self.drafter_len_ratio > 0,
              f"drafter_len_ratio must be > 0; got {self.drafter_len_ratio!r}")
 

@@ -12,7 +12,9 @@ text is re-tokenised for the target on the host (``host.py``) and the target's o
 exactly (greedy and sampling); ``slrs`` (Alg. 3) proposes target tokens from ψ, the law of the
 first target token of a character-level drafter's string (``slrs.py``), verified like sd. ``auto`` =
 sd for a shared vocabulary, else slem when greedy and tli when sampling (transformers' routing).
-Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap.
+Draft length: constant or the heuristic schedule (+2 / −1) per row under a static cap; with
+``confidence_threshold`` a row also stops where the drafter is unsure, and the verify is only as
+wide as the round's drafts (``lookahead.py``, DISCO / transformers' assistant confidence).
 A constraint (grammar, JSON schema, regex, CRANE spans: ``inference/constrained``) masks the
 target's distribution at the next position and after each draft prefix (host masks per row,
 ``target_mask``), so the output is distributed as constrained target-only decoding (token-identical
@@ -39,6 +41,7 @@ from flax import struct
 from pallasite.errors import ConfigError
 from pallasite.inference.sampling import SamplingParams, SamplingSpec
 from pallasite.inference.speculative import drafter as D
+from pallasite.inference.speculative import lookahead as LA
 from pallasite.inference.speculative import probs as P
 from pallasite.inference.speculative import slrs as S
 from pallasite.inference.speculative.host import Row, SlemSession, get_session
@@ -47,8 +50,9 @@ from pallasite.inference.speculative.vocab import PairMap, check_drafter_can_enc
 from pallasite.ops.common import round_up
 from pallasite.registry import DECODE_STRATEGY
 
-# deliberate breaks for negative controls (unmasked_q: drafts from the grammar-masked q, ratio from the plain q)
-FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q", "psi_prefix")
+# deliberate breaks for negative controls (unmasked_q: drafts from the grammar-masked q, ratio from the plain q;
+# unsure_draft_dropped: with a confidence threshold, a draft is withdrawn for its own probability q(d) < tau)
+FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q", "psi_prefix", "unsure_draft_dropped")
 
 
 @struct.dataclass
@@ -106,6 +110,7 @@ class SpeculativeStrategy:
     drafter_path: Optional[str] = None
     target_mask: Any = None  # hook: (ctx, s, tokens_BK, V) -> allowed [B, K+1, V] after each prefix
     draft_mask: Any = None  # hook: (ctx, s, tokens_BK, j, V) -> allowed [B, V] after the first j drafts
+    confidence: Optional[float] = None  # draft step j only while the drafter's top probability >= this
     fault: str = ""
 
     # ------------------------------------------------------------------ shapes
@@ -229,10 +234,12 @@ class SpeculativeStrategy:
         logits, cache = D.call_at(self.drafter_graphdef, ctx.args.drafter_state, sp.cache, sp.pend_BM, pos, last)
         return cache, sp.dlen_B + sp.n_pend_B, logits
 
-    def _draft(self, ctx, cache, dl_B, logits_BV, J, key, allowed_V=None, keep_q: bool = True, row_mask=None):
-        """Draft J tokens per row (static buffers of K): (cache, drafts [B, K], verification q
-        [B, K, V_D] or None). Drafts 1..J-1 are fed to the drafter at dl, dl+1, ...
-        ``row_mask(drafts_BK, j)`` -> allowed [B, V_D] narrows step j further (a constraint)."""
+    def _draft(self, ctx, cache, dl_B, logits_BV, k_B, key, allowed_V=None, keep_q: bool = True, row_mask=None):
+        """Draft up to k_B tokens per row (static buffers of K): (cache, drafts [B, K], verification
+        q [B, K, V_D] or None, drafts proposed per row [B], drafts fed to the drafter). Drafts are
+        fed at dl, dl+1, ... while some row drafts on. ``row_mask(drafts_BK, j)`` -> allowed
+        [B, V_D] narrows step j further (a constraint). With ``confidence`` a row stops before the
+        first step whose masked logits' top probability is below it (``lookahead``)."""
         B, V_D = logits_BV.shape
         K = self.k_max
         args = ctx.args
@@ -245,7 +252,7 @@ class SpeculativeStrategy:
                 logits = jnp.where(ok, logits, -jnp.inf)
             masked = logits if allowed_V is None else jnp.where(allowed_V[None, :], logits, -jnp.inf)
             if not keep_q:  # greedy / SLEM: only the draft itself is needed, not q
-                return masked, None
+                return masked, None, masked
             q = P.warped_probs(masked[:, None], args.sampling, self.spec)[:, 0]
             if self.fault == "no_renorm":  # q on the intersection without renormalising it
                 ver = P.warped_probs(logits[:, None], args.sampling, self.spec)[:, 0] * allowed_V[None, :]
@@ -256,31 +263,45 @@ class SpeculativeStrategy:
                 ver = P.warped_probs(plain[:, None], args.sampling, self.spec)[:, 0]
             else:
                 ver = q
-            return q, ver
+            return q, ver, masked
+
+        J = jnp.max(k_B)
 
         def body(c):
-            j, cache, logits, drafts, qv, key = c
+            j, cache, logits, drafts, qv, key, going_B, n_B, fed, _ = c
             key, sub = jax.random.split(key)
-            q, ver = dist(logits, None if row_mask is None else row_mask(drafts, j))
+            q, ver, masked = dist(logits, None if row_mask is None else row_mask(drafts, j))
+            going_B = going_B & (j < k_B)
+            dropped = self.fault == "unsure_draft_dropped"
+            if self.confidence is not None and not dropped:  # decided before the draw: a stopping time
+                going_B = going_B & (LA.top_probability(masked) >= self.confidence)
             if keep_q:
                 d = P.draw(sub, q, self.spec.greedy_only)
             else:  # q is the masked logits: the argmax for greedy rows, else a draw from the warped law
                 d = P.draw_from_logits(sub, q, args.sampling, self.spec)
+            if dropped:  # negative control: the draw decides whether it is proposed (biases the output)
+                going_B = going_B & (jnp.take_along_axis(ver, d[:, None], axis=-1)[:, 0] >= self.confidence)
             drafts = drafts.at[:, j].set(d)
             if keep_q:
                 qv = qv.at[:, j].set(ver)
+            n_B = n_B + going_B.astype(jnp.int32)
+            more = jnp.any(going_B) & (j + 1 < J)  # the next step's logits are wanted by some row
 
             def feed(cl):
                 lg, cache = D.call(self.drafter_graphdef, args.drafter_state, cl[0], d[:, None], (dl_B + j)[:, None])
                 return cache, lg[:, 0]
 
-            cache, logits = jax.lax.cond(j + 1 < J, feed, lambda cl: cl, (cache, logits))
-            return j + 1, cache, logits, drafts, qv, key
+            cache, logits = jax.lax.cond(more, feed, lambda cl: cl, (cache, logits))
+            return j + 1, cache, logits, drafts, qv, key, going_B, n_B, fed + more.astype(jnp.int32), more
 
         qv0 = jnp.zeros((B, K, V_D), jnp.float32) if keep_q else jnp.zeros((B, K, 1), jnp.float32)
-        init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key)
-        _, cache, _, drafts, qv, _ = jax.lax.while_loop(lambda c: c[0] < J, body, init)
-        return cache, drafts, (qv if keep_q else None)
+        zeros = jnp.zeros((B,), jnp.int32)
+        init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key, k_B > 0, zeros,
+                jnp.int32(0), J > 0)
+        out = jax.lax.while_loop(lambda c: c[-1], body, init)
+        _, cache, _, drafts, qv, _, _, n_B, fed, _ = out
+        return cache, drafts, (qv if keep_q else None), n_B, fed
+
 
     def _draft_slrs(self, ctx, cache, dl_B, logits_BV, J, key):
         args = ctx.args
@@ -327,11 +348,16 @@ class SpeculativeStrategy:
             return self._step_slem(ctx, s)
         return self._step_token(ctx, s)
 
-    def _verify_logits(self, ctx, s, cand_BK):
+    def _verify_logits(self, ctx, s, cand_BK, n_cand_B):
+        """The target's logits [B, K+1, V_T] after the last token and the candidates. With
+        ``confidence`` the call is only as wide as the longest row's candidates + 1 (the rest of the
+        positions are zeros: no row reads them)."""
         tokens = jnp.concatenate([s.last_tokens_B[:, None], cand_BK], axis=1)
         positions = s.next_positions_B[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        logits, cache = ctx.model(s.cache, tokens, positions)
-        return logits, cache
+        if self.confidence is None:
+            return ctx.model(s.cache, tokens, positions)
+        return LA.narrow_call(lambda t, p: ctx.model(s.cache, t, p), tokens, positions, jnp.max(n_cand_B) + 1,
+                              LA.verify_widths(tokens.shape[1] - 1))
 
     def _finish(self, ctx, s, cache, tokens_BK1, n_new_B):
         s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
@@ -366,13 +392,14 @@ class SpeculativeStrategy:
         key, k_draft, k_acc, k_res = jax.random.split(s.key, 4)
         active = ~s.done_B
         k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
-        J = jnp.max(k_B)
         dcache, dl, logits0 = self._catch_up(ctx, sp)
         d2t = sp.d2t_V
         greedy = self.spec.greedy_only and not self.fault
         if self.method == "slrs":  # drafts are target tokens already, q = ψ over V_T
+            J = jnp.max(k_B)
             dcache, cand, qv, n_chars = self._draft_slrs(ctx, dcache, dl, logits0, J, k_draft)
-            drafts = cand
+            drafts, fed = cand, jnp.maximum(J - 1, 0)
+            calls = J * (ctx.args.slrs.n_nodes + 1)  # + psi's node calls
         else:
             row_mask = None
             if self.draft_mask is not None:  # draft only what the constraint allows (drafter ids -> target ids)
@@ -382,10 +409,11 @@ class SpeculativeStrategy:
                 def row_mask(drafts_BK, j):
                     return self.draft_mask(ctx, s, jnp.take(to_t, drafts_BK), j, V_T)[:, to_t]
 
-            dcache, drafts, qv = self._draft(ctx, dcache, dl, logits0, J, k_draft, d2t >= 0, row_mask=row_mask,
-                                             keep_q=not greedy)
+            dcache, drafts, qv, k_B, fed = self._draft(ctx, dcache, dl, logits0, k_B, k_draft, d2t >= 0,
+                                                       row_mask=row_mask, keep_q=not greedy)
             cand = jnp.take(jnp.maximum(d2t, 0), drafts)
-        logits, cache = self._verify_logits(ctx, s, cand)
+            calls = fed + 1  # the catch-up call and one call per fed draft
+        logits, cache = self._verify_logits(ctx, s, cand, k_B)
         if greedy:
             # every row greedy: p and q are one-hots, so Leviathan's test accepts a draft iff it is the
             # target's argmax and the residual is that argmax: the longest exact match, then y there
@@ -396,7 +424,6 @@ class SpeculativeStrategy:
         s = self._finish(ctx, s.replace(key=key), cache, out, n + 1)
         y = D.take_positions(out, n)  # the target's own token after the accepted prefix
         # the drafter: its verified context grows by the accepted drafts it was fed, then the rest
-        fed = jnp.maximum(J - 1, 0)
         kept = jnp.minimum(n, fed)
         M = sp.pend_BM.shape[1]
         last_pending = D.take_positions(sp.pend_BM, jnp.maximum(sp.n_pend_B - 1, 0))
@@ -415,7 +442,6 @@ class SpeculativeStrategy:
         new_dl, pend, n_pend = _refeed_if_empty(dl + grown, pend, n_pend, prev)
         dcache = dcache.rollback(new_dl)
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        calls = J * (ctx.args.slrs.n_nodes + 1) if self.method == "slrs" else J + 1  # slrs: + psi's node calls
         stats = self._stats(sp.stats, active, calls, k_B, n)
         return s.replace(extra=sp.replace(
             cache=dcache, dlen_B=keep(new_dl, sp.dlen_B), pend_BM=keep(pend, sp.pend_BM),
@@ -433,14 +459,12 @@ class SpeculativeStrategy:
                                                s.out_BN, s.n_out_B, s.done_B)
         sp = sp.replace(cache=sp.cache.rollback(dlen), dlen_B=dlen, pend_BM=pend, n_pend_B=n_pend)
         k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
-        J = jnp.max(k_B)
         dcache, dl, logits0 = self._catch_up(ctx, sp)
-        dcache, drafts, _ = self._draft(ctx, dcache, dl, logits0, J, k_draft, None, keep_q=False)
+        dcache, drafts, _, k_B, fed = self._draft(ctx, dcache, dl, logits0, k_B, k_draft, None, keep_q=False)
         W = self.width
         shapes = (jax.ShapeDtypeStruct((B, W), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
-        cand, n_cand = jax.pure_callback(_cb_slem_propose, shapes, ctx.args.session, drafts, k_B,
-                                         jnp.maximum(J - 1, 0), s.done_B)
-        logits, cache = self._verify_logits(ctx, s, cand)
+        cand, n_cand = jax.pure_callback(_cb_slem_propose, shapes, ctx.args.session, drafts, k_B, fed, s.done_B)
+        logits, cache = self._verify_logits(ctx, s, cand, n_cand)
         if self.spec.greedy_only:
             drawn = self._target_greedy(ctx, s, logits, cand)  # [B, W+1]
         else:
@@ -449,7 +473,7 @@ class SpeculativeStrategy:
             drawn = P.draw(k_tgt, p.reshape(Bp * T1, V)).reshape(Bp, T1)
         n = P.exact_match(cand, n_cand, drawn)
         s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
-        stats = self._stats(sp.stats, active, J + 1, n_cand, n)
+        stats = self._stats(sp.stats, active, fed + 1, n_cand, n)
         extra = sp.replace(cache=dcache, dlen_B=dl, k_B=self._schedule(sp.k_B, n, n == n_cand, active), stats=stats)
         return s.replace(extra=extra)
 
@@ -556,6 +580,9 @@ def build_speculative(gen, n_prompts: int):
         d2t, t2d, t2d_len = pair.d2t, pair.t2d, pair.t2d_len
         if method == "tli" and pair.intersection == 0:
             raise ConfigError("method='tli': the two vocabularies share no token string; use method='slem'")
+    if method == "slrs" and cfg.confidence_threshold is not None:
+        raise ConfigError("confidence_threshold applies to sd, tli and slem (SLRS drafts target tokens through psi, "
+                          "whose drafter calls do not give one next-token confidence); set it to None for slrs")
     tables = S.build_tables(pair, max_nodes=cfg.slrs_max_nodes) if method == "slrs" else None
     if method == "slem":
         stops = gen.stop_tokens if gen.stop_tokens else pair.target.eos_ids
@@ -569,7 +596,7 @@ def build_speculative(gen, n_prompts: int):
         method=method, drafter_graphdef=drafter.graphdef, drafter_config=drafter.config,
         drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
         schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
-        len_ratio=float(cfg.drafter_len_ratio),
+        len_ratio=float(cfg.drafter_len_ratio), confidence=cfg.confidence_threshold,
         pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask,
         draft_mask=constraint_draft_mask if constrained is not None and cfg.mask_drafts and method in ("sd", "tli")
         else None)

@@ -1,7 +1,8 @@
 """Speculative decoding is lossless under greedy decoding and behaves like the theory says.
 
 * Greedy identity: SD, TLI, SLEM and SLRS (a character-level drafter) emit exactly the target's
-  greedy tokens on 200 ragged prompts x 64 tokens (K = 3; K = 1 and 8 are slow-marked), on a
+  greedy tokens on 200 ragged prompts x 64 tokens (K = 3; K = 1 and 8 are slow-marked; also with
+  a confidence threshold, which drafts fewer tokens and narrows the verify), on a
   hand-built tokenizer pair whose concatenations re-tokenise differently; with stop tokens
   (nothing after a stop, rows finish at different rounds); with dense, 4-bit (kv4) and CateKV
   caches in both models (rollback).
@@ -116,6 +117,30 @@ def test_greedy_identity_k(models, prompts, greedy_base, method, k):
     _check_greedy(models, prompts, greedy_base, method, k)
 
 
+@pytest.mark.parametrize("method", ["sd", "tli", "slem"])
+def test_greedy_identity_with_confidence_threshold(models, prompts, greedy_base, method):
+    """A row drafts only while the drafter's top probability is >= 0.5: some rounds propose fewer
+    than K drafts or none (the verify is narrower), and the output is still the target's."""
+    s, st = _check_greedy(models, prompts, greedy_base, method, 3, confidence_threshold=0.5)
+    drafted = np.asarray(s.extra.stats.drafted_B)
+    rounds = np.asarray(s.extra.stats.rounds_B)
+    full, _ = _check_greedy(models, prompts, greedy_base, method, 3)
+    if method != "slem":  # (slem counts target candidates, which a re-tokenisation can make more of)
+        assert (drafted <= 3 * rounds).all()
+    assert 0 < drafted.sum() < np.asarray(full.extra.stats.drafted_B).sum(), (drafted.sum(), rounds.sum())
+
+
+def test_confidence_threshold_one_never_drafts(models, prompts, greedy_base):
+    """tau = 1: no softmax of the drafter reaches it, so no round drafts: one target call per token
+    (every verify is a one-token call), the target's output."""
+    gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(), drafter=F.drafter_for(models, "tli"), method="tli",
+                           strategy_config={"num_draft_tokens": 3, "confidence_threshold": 1.0})
+    s = _run(models, prompts[:16], gen)
+    assert E.results(s) == greedy_base[()][:16]
+    st = stats_of(s)
+    assert st["drafted"] == 0 and st["target_calls"] == N_NEW, st  # prefill + one call per further token
+
+
 @pytest.mark.parametrize("method", ["tli", "slem", "slrs"])
 def test_stop_tokens_ragged(models, prompts, greedy_base, method):
     s, _ = _check_greedy(models, prompts, greedy_base, method, 3, stops=(STOP,))
@@ -218,6 +243,9 @@ def test_bad_inputs(models):
     with pytest.raises(ValueError, match="slrs_max_nodes must be an integer >= 1"):
         build_speculative(gen.replace(drafter=F.drafter_for(models, "slrs"), method="slrs",
                                       strategy_config={"slrs_max_nodes": 0}), 1)
+    with pytest.raises(ConfigError, match="confidence_threshold applies to sd, tli and slem"):
+        build_speculative(gen.replace(drafter=F.drafter_for(models, "slrs"), method="slrs",
+                                      strategy_config={"confidence_threshold": 0.5}), 1)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         build_speculative(gen.replace(drafter=F.drafter_for(models, "tli"), strategy_config={"num_draft_tokens": 0}), 1)
     short = Drafter(dc.replace(max_seq_len=32), dg, ds, dtok, target_tokenizer=ttok)

@@ -176,6 +176,35 @@ def test_negative_controls_fail_the_g_test(pair, char_drafter, fault, temperatur
     assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
 
 
+# the random drafters are flat (top probabilities ~0.1-0.3): these thresholds make a part of the
+# drafts, not none and not all (the test's own bounds check it)
+TAU = {"tli": 0.2, "slem": 0.15}
+
+
+@pytest.mark.parametrize("method,temperature,top_k", [("tli", 1.0, None), ("slem", 0.7, 3)])
+def test_confidence_threshold_is_lossless(pair, method, temperature, top_k):
+    """A row drafts step j only while the drafter's top probability there is >= TAU: a stopping time
+    of the drafts before j, so the output is still the target's distribution."""
+    s, prompt = run_rows(pair, method, temperature=temperature, top_k=top_k, confidence_threshold=TAU[method])
+    st = s[0].extra.stats
+    drafted, rounds = int(np.sum(st.drafted_B)), int(np.sum(st.rounds_B))
+    assert 0.1 * rounds < drafted < 0.9 * 2 * rounds, (drafted, rounds)  # the gate acts, and not always
+    p = exact_distribution(pair[0], prompt, temperature, top_k)
+    g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
+    print(f"{method} tau={TAU[method]} T={temperature} top_k={top_k}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
+    assert pval > 0.01, f"{method} tau={TAU[method]}: G = {g:.1f}, df = {df}, p = {pval:.3g}"
+
+
+def test_dropping_a_draft_for_its_own_probability_fails_the_g_test(pair):
+    """Negative control of the gate: withdrawing a draft because q(draft) < TAU (a rule that looks
+    at the draw) makes the proposals q restricted to likely tokens while the test divides by q."""
+    s, prompt = run_rows(pair, "tli", temperature=1.0, fault="unsure_draft_dropped", confidence_threshold=TAU["tli"])
+    p = exact_distribution(pair[0], prompt, 1.0, None)
+    g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
+    print(f"negative control unsure_draft_dropped: G = {g:.1f}, df = {df}, p = {pval:.3g}")
+    assert pval < 1e-6, f"negative control unsure_draft_dropped passed (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+
+
 # three tokens can never finish this sentence, so every row makes 3 tokens; "." and newlines are
 # masked at every position (the drafters put mass on them), everything else is allowed
 CONSTRAINT_REGEX = r"[abc ]{8,}\."
