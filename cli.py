@@ -186,7 +186,8 @@ def _cmd_generate(args, overrides):
     )
     if args.drafter:  # speculative decoding (docs/speculative.md)
         cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
-                     strategy_config={"num_draft_tokens": args.num_draft_tokens})
+                     strategy_config={"num_draft_tokens": args.num_draft_tokens,
+                                      "confidence_threshold": args.draft_confidence})
     from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
 
     constraint = cli_options(args)
@@ -456,6 +457,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
             p.add_argument("--method", default="auto", choices=("auto", "sd", "slem", "tli", "slrs"))
             p.add_argument("--num-draft-tokens", type=int, default=5,
                            help="speculative: draft tokens per round")
+            p.add_argument("--draft-confidence", type=float, default=None, metavar="TAU",
+                           help="speculative (sd/tli/slem): draft only while the drafter's top probability "
+                                "is >= TAU, and verify only what was drafted (faster where a wide verify is dear)")
             from pallasite.inference.constrained.sugar import add_cli_arguments
 
             add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN

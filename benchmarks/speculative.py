@@ -112,11 +112,10 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
     def run_base():  # model=: a cache kind's files (e.g. kv4 transforms) resolve against the model folder
         return [E.generate_ids(g, st, cfg, prompts, base_gen, model=target) for prompts in prompt_batches]
 
-    def make_spec(method):
-        gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
-                               strategy_config={"num_draft_tokens": args.k, "schedule": args.schedule,
-                                                "mask_drafts": not args.no_mask_drafts,
-                                                "max_spelling": args.max_spelling})
+    def make_spec(system):
+        method, options = system_config(system, num_draft_tokens=args.k, schedule=args.schedule,
+                                        mask_drafts=not args.no_mask_drafts, max_spelling=args.max_spelling)
+        gen = base_gen.replace(drafter=d, method=method, strategy="speculative", strategy_config=options)
 
         def run():  # built per call: a constraint's host session follows one generation
             out = []
@@ -265,8 +264,8 @@ def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float 
     rows = {}
     for method in methods:
         for k in ks:
-            gen = base_gen.replace(drafter=d, method=method, strategy="speculative",
-                                   strategy_config={"num_draft_tokens": k, "max_spelling": max_spelling})
+            m, options = system_config(method, num_draft_tokens=k, max_spelling=max_spelling)
+            gen = base_gen.replace(drafter=d, method=m, strategy="speculative", strategy_config=options)
             strategy, sargs = build_speculative(gen, len(prompts))
             s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0))
             stats = stats_of(s)
@@ -277,7 +276,7 @@ def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float 
     return rows, prompts, ref
 
 
-def real_pair(args):
+def real_pair(args, systems):
     """Real off-the-shelf pair: greedy identity, acceptance of tli / slem, teacher-forced agreement."""
     t_name, d_name = args.real_pair.split(":")
     target = _load_offline(t_name)
@@ -289,7 +288,7 @@ def real_pair(args):
     else:
         drafter = _load_offline(d_name)
     sampled = args.temperature > 0
-    rows, prompts, ref = pair_rows(target, drafter, args.methods.split(","), (1, args.k), args.new_tokens,
+    rows, prompts, ref = pair_rows(target, drafter, systems, (1, args.k), args.new_tokens,
                                    args.temperature, args.max_spelling)
     texts = [(len(p), list(p) + list(r)) for p, r in zip(prompts, ref)]
     agree = teacher_forced_agreement(target, drafter, texts)
@@ -317,6 +316,33 @@ def real_pair_acceptance(args, new_tokens: int = 24) -> dict:
     return out
 
 
+def system_config(system: str, **options) -> tuple:
+    """(method, strategy_config) of a ``--methods`` entry: METHOD, or METHOD@TAU for the method with
+    ``confidence_threshold`` TAU."""
+    method, at, tau = system.partition("@")
+    return method, {**options, "confidence_threshold": float(tau) if at else None}
+
+
+def check_systems(text: str) -> list:
+    """``--methods``' entries (METHOD or METHOD@TAU), each checked; SystemExit names a bad one."""
+    from pallasite.errors import ConfigError
+    from pallasite.inference.speculative import SpeculativeConfig
+    from pallasite.inference.speculative.options import check_method
+
+    systems = [m for m in text.split(",") if m]
+    for system in systems:
+        method, at, tau = system.partition("@")
+        try:
+            check_method(method, field="--methods")
+            if at:
+                SpeculativeConfig(confidence_threshold=float(tau))
+        except (ConfigError, ValueError) as e:
+            raise SystemExit(f"benchmarks.speculative: --methods entry {system!r}: {e}") from None
+    if not systems:
+        raise SystemExit("benchmarks.speculative: --methods is empty; expected e.g. tli,slem or tli,tli@0.4")
+    return systems
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and reps")
@@ -331,7 +357,9 @@ def main(argv=None):
     ap.add_argument("--schedule", default="constant", choices=("constant", "heuristic"))
     ap.add_argument("--max-spelling", type=int, default=16,
                     help="sd / tli: drafter tokens per target token in the catch-up (SpeculativeConfig.max_spelling)")
-    ap.add_argument("--methods", default="tli,slem")
+    ap.add_argument("--methods", default="tli,slem",
+                    help="speculative systems, comma-separated; METHOD@TAU drafts only while the drafter's top "
+                         "probability is >= TAU (SpeculativeConfig.confidence_threshold), e.g. tli,tli@0.4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--b1-prompts", type=int, default=8,
                     help="batch 1 decodes each of this many prompts alone, one after another, and times the sum")
@@ -366,8 +394,9 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="--real-pair: sample at this temperature (acceptance of sampled tli / slem)")
     args = ap.parse_args(argv)
+    systems = check_systems(args.methods)  # before any drafter is trained
     if args.real_pair:
-        return real_pair(args)
+        return real_pair(args, systems)
     if args.quick:
         args.new_tokens, args.reps = min(args.new_tokens, 48), 1
 
@@ -395,7 +424,7 @@ def main(argv=None):
     if args.json_schema:
         constraint = schema_constraint(args.json_schema, target)
         prompts_all = tool_prompts(target, n_prompts)
-    methods = [m for m in args.methods.split(",") if m]
+    methods = systems
     results, teacher_forced = {}, None
     print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
           f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "

@@ -134,6 +134,11 @@ USER_ERRORS = [
         ["top_p", "(0, 1]", "2.0"],
     ),
     (
+        "draft confidence",
+        ["generate", "--model", "{m}", "--prompt", "x", "--drafter", "{m}", "--draft-confidence", "2"],
+        ["confidence_threshold", "(0, 1]", "2.0"],
+    ),
+    (
         "long prompt",
         ["generate", "--model", "{m}", "--prompt", "x = 1\n" * 200],
         ["context of 64 tokens"],
@@ -296,3 +301,13 @@ def test_generate_refuses_prompts_longer_than_the_context(tiny_model):
     assert (
         len(pallasite.generate(model, [[5] * 60], max_new_tokens=4, stop_tokens=[])[0]) == 4
     )  # fits exactly
+
+
+def test_generate_with_a_confident_drafter_prints_the_targets_text(tiny_model, capsys):
+    """--drafter with --draft-confidence (speculative decoding that drafts only where the drafter is
+    sure): the printed text is the target's own greedy text."""
+    base = ["generate", "--model", str(tiny_model / "hf"), "--prompt", "def f(", "--max-new-tokens", "8"]
+    cli.main(base)
+    want = capsys.readouterr().out
+    cli.main(base + ["--drafter", str(tiny_model / "hf"), "--draft-confidence", "0.3"])
+    assert capsys.readouterr().out == want
