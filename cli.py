@@ -187,7 +187,8 @@ def _cmd_generate(args, overrides):
     if args.drafter:  # speculative decoding (docs/speculative.md)
         cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
                      strategy_config={"num_draft_tokens": args.num_draft_tokens,
-                                      "confidence_threshold": args.draft_confidence})
+                                      "confidence_threshold": args.draft_confidence,
+                                      "confidence_of": args.draft_confidence_of})
     from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
 
     constraint = cli_options(args)
@@ -460,6 +461,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
             p.add_argument("--draft-confidence", type=float, default=None, metavar="TAU",
                            help="speculative (sd/tli/slem): draft only while the drafter's top probability "
                                 "is >= TAU, and verify only what was drafted (faster where a wide verify is dear)")
+            p.add_argument("--draft-confidence-of", default="step", choices=("step", "prefix"),
+                           help="--draft-confidence applies to each draft's top probability (step) or to their "
+                                "product over the round (prefix)")
             from pallasite.inference.constrained.sugar import add_cli_arguments
 
             add_cli_arguments(p)  # --grammar FILE, --json-schema FILE, --regex PATTERN

@@ -320,7 +320,8 @@ def system_config(system: str, **options) -> tuple:
     """(method, strategy_config) of a ``--methods`` entry: METHOD, or METHOD@TAU for the method with
     ``confidence_threshold`` TAU."""
     method, at, tau = system.partition("@")
-    return method, {**options, "confidence_threshold": float(tau) if at else None}
+    of = "prefix" if tau.startswith("p") else "step"
+    return method, {**options, "confidence_threshold": float(tau.lstrip("p")) if at else None, "confidence_of": of}
 
 
 def check_systems(text: str) -> list:
@@ -331,11 +332,10 @@ def check_systems(text: str) -> list:
 
     systems = [m for m in text.split(",") if m]
     for system in systems:
-        method, at, tau = system.partition("@")
         try:
+            method, options = system_config(system)
             check_method(method, field="--methods")
-            if at:
-                SpeculativeConfig(confidence_threshold=float(tau))
+            SpeculativeConfig(**options)
         except (ConfigError, ValueError) as e:
             raise SystemExit(f"benchmarks.speculative: --methods entry {system!r}: {e}") from None
     if not systems:
@@ -359,7 +359,8 @@ def main(argv=None):
                     help="sd / tli: drafter tokens per target token in the catch-up (SpeculativeConfig.max_spelling)")
     ap.add_argument("--methods", default="tli,slem",
                     help="speculative systems, comma-separated; METHOD@TAU drafts only while the drafter's top "
-                         "probability is >= TAU (SpeculativeConfig.confidence_threshold), e.g. tli,tli@0.4")
+                         "probability is >= TAU (SpeculativeConfig.confidence_threshold), METHOD@pTAU while the "
+                         "product of the round's top probabilities is (confidence_of='prefix'), e.g. tli,tli@0.4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--b1-prompts", type=int, default=8,
                     help="batch 1 decodes each of this many prompts alone, one after another, and times the sum")

@@ -7,12 +7,15 @@ when the drafter is unsure of its next token. Here a row drafts step j only whil
     c_j = max_x softmax(z_j)(x) >= tau,
 
 z_j the drafter's logits at step j after the masks it drafts under (TLI's intersection, a
-constraint), before the draft is drawn. The decision to draft step j then depends only on the drafts
-before it, so the draft length is a stopping time and Leviathan's test (and SLEM's exact match)
-stays lossless. A rule that drops a draft because of the draft's own probability would bias the
-output when sampling. Deviation from transformers: there the first draft whose probability is below
-the threshold is kept and drafting stops after it; here it is not proposed, so a round can propose
-nothing, and its verify is a plain one-token target step.
+constraint), before the draft is drawn; or, with ``confidence_of="prefix"``, while c_0 · ... · c_j
+>= tau (the drafter's estimate that every draft of the round is accepted: SpecDec++'s stopping
+rule, Huang et al. 2024, with the drafter's own confidence standing in for its trained head). The
+decision to draft step j then depends only on the drafts before it, so the draft length is a
+stopping time and Leviathan's test (and SLEM's exact match) stays lossless. A rule that drops a
+draft because of the draft's own probability would bias the output when sampling. Deviation from
+transformers: there the first draft whose probability is below the threshold is kept and drafting
+stops after it; here it is not proposed, so a round can propose nothing, and its verify is a plain
+one-token target step.
 
 The verify then runs at the narrowest compiled width that holds the widest row's drafts plus the
 target's own token (``verify_widths``: 1..4, the powers of two, K + 1; one ``lax.switch`` branch,

@@ -13,6 +13,7 @@ from pallasite.errors import ConfigError
 
 METHODS = ("auto", "sd", "slem", "tli", "slrs")
 SCHEDULES = ("constant", "heuristic")
+CONFIDENCE_OF = ("step", "prefix")
 
 
 def check_method(method: Any, *, field: str = "GenerationConfig.method") -> str:
@@ -47,6 +48,9 @@ class SpeculativeConfig:
                        probability there is >= this (DISCO / transformers' assistant_confidence_threshold;
                        ``lookahead.py``), and the target verifies only as many positions as the round's
                        widest row drafted; None: always K drafts and a (K + 1)-token verify
+    confidence_of      "step": the threshold applies to the next draft's top probability;
+                       "prefix": to the product of the round's top probabilities so far (the chance
+                       that every draft of the round is accepted, SpecDec++'s stopping rule)
     """
 
     num_draft_tokens: int = 5
@@ -63,6 +67,7 @@ class SpeculativeConfig:
     slrs_max_nodes: int = 256
     max_spelling: int = 16
     confidence_threshold: Optional[float] = None
+    confidence_of: str = "step"
 
     def __post_init__(self):
         def need(ok, msg):
@@ -90,6 +95,8 @@ class SpeculativeConfig:
             tau = self.confidence_threshold
             need(isinstance(tau, (int, float)) and not isinstance(tau, bool) and 0.0 < tau <= 1.0,
                  f"confidence_threshold must be a probability in (0, 1] or None; got {tau!r}")
+        need(self.confidence_of in CONFIDENCE_OF,
+             f"confidence_of={self.confidence_of!r}; expected one of {CONFIDENCE_OF}")
         need(isinstance(self.drafter_len_ratio, (int, float)) and self.drafter_len_ratio > 0,
              f"drafter_len_ratio must be > 0; got {self.drafter_len_ratio!r}")
 

@@ -111,6 +111,7 @@ class SpeculativeStrategy:
     target_mask: Any = None  # hook: (ctx, s, tokens_BK, V) -> allowed [B, K+1, V] after each prefix
     draft_mask: Any = None  # hook: (ctx, s, tokens_BK, j, V) -> allowed [B, V] after the first j drafts
     confidence: Optional[float] = None  # draft step j only while the drafter's top probability >= this
+    confidence_product: bool = False  # ... while the product of its top probabilities this round >= this
     fault: str = ""
 
     # ------------------------------------------------------------------ shapes
@@ -239,7 +240,8 @@ class SpeculativeStrategy:
         q [B, K, V_D] or None, drafts proposed per row [B], drafts fed to the drafter). Drafts are
         fed at dl, dl+1, ... while some row drafts on. ``row_mask(drafts_BK, j)`` -> allowed
         [B, V_D] narrows step j further (a constraint). With ``confidence`` a row stops before the
-        first step whose masked logits' top probability is below it (``lookahead``)."""
+        first step whose masked logits' top probability (or, ``confidence_product``, the product of
+        this round's top probabilities so far) is below it (``lookahead``)."""
         B, V_D = logits_BV.shape
         K = self.k_max
         args = ctx.args
@@ -268,13 +270,14 @@ class SpeculativeStrategy:
         J = jnp.max(k_B)
 
         def body(c):
-            j, cache, logits, drafts, qv, key, going_B, n_B, fed, _ = c
+            j, cache, logits, drafts, qv, key, going_B, sure_B, n_B, fed, _ = c
             key, sub = jax.random.split(key)
             q, ver, masked = dist(logits, None if row_mask is None else row_mask(drafts, j))
             going_B = going_B & (j < k_B)
             dropped = self.fault == "unsure_draft_dropped"
             if self.confidence is not None and not dropped:  # decided before the draw: a stopping time
-                going_B = going_B & (LA.top_probability(masked) >= self.confidence)
+                sure_B = LA.top_probability(masked) * (sure_B if self.confidence_product else 1.0)
+                going_B = going_B & (sure_B >= self.confidence)
             if keep_q:
                 d = P.draw(sub, q, self.spec.greedy_only)
             else:  # q is the masked logits: the argmax for greedy rows, else a draw from the warped law
@@ -292,14 +295,15 @@ class SpeculativeStrategy:
                 return cache, lg[:, 0]
 
             cache, logits = jax.lax.cond(more, feed, lambda cl: cl, (cache, logits))
-            return j + 1, cache, logits, drafts, qv, key, going_B, n_B, fed + more.astype(jnp.int32), more
+            return j + 1, cache, logits, drafts, qv, key, going_B, sure_B, n_B, fed + more.astype(jnp.int32), more
 
         qv0 = jnp.zeros((B, K, V_D), jnp.float32) if keep_q else jnp.zeros((B, K, 1), jnp.float32)
         zeros = jnp.zeros((B,), jnp.int32)
-        init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key, k_B > 0, zeros,
+        init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key, k_B > 0,
+                jnp.ones((B,), jnp.float32), zeros,
                 jnp.int32(0), J > 0)
         out = jax.lax.while_loop(lambda c: c[-1], body, init)
-        _, cache, _, drafts, qv, _, _, n_B, fed, _ = out
+        _, cache, _, drafts, qv, _, _, _, n_B, fed, _ = out
         return cache, drafts, (qv if keep_q else None), n_B, fed
 
 
@@ -597,6 +601,7 @@ def build_speculative(gen, n_prompts: int):
         drafter_cache_kind=kind, drafter_cache_config=kind_cfg, spec=spec, k_max=cfg.k_max, k_init=k_init,
         schedule=cfg.schedule, width=cfg.target_width, catch_up=cfg.max_catch_up,
         len_ratio=float(cfg.drafter_len_ratio), confidence=cfg.confidence_threshold,
+        confidence_product=cfg.confidence_of == "prefix",
         pair=pair, drafter_path=drafter.path, target_mask=None if constrained is None else constraint_mask,
         draft_mask=constraint_draft_mask if constrained is not None and cfg.mask_drafts and method in ("sd", "tli")
         else None)

@@ -51,3 +51,8 @@ def test_narrow_call_picks_the_narrowest_width_and_matches_the_full_call():
 def test_bad_confidence_threshold(tau):
     with pytest.raises(ConfigError, match="confidence_threshold must be a probability in"):
         SpeculativeConfig(confidence_threshold=tau)
+
+
+def test_bad_confidence_of():
+    with pytest.raises(ConfigError, match="confidence_of='draft'; expected one of"):
+        SpeculativeConfig(confidence_threshold=0.5, confidence_of="draft")

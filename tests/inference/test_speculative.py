@@ -117,11 +117,12 @@ def test_greedy_identity_k(models, prompts, greedy_base, method, k):
     _check_greedy(models, prompts, greedy_base, method, k)
 
 
-@pytest.mark.parametrize("method", ["sd", "tli", "slem"])
-def test_greedy_identity_with_confidence_threshold(models, prompts, greedy_base, method):
-    """A row drafts only while the drafter's top probability is >= 0.5: some rounds propose fewer
-    than K drafts or none (the verify is narrower), and the output is still the target's."""
-    s, st = _check_greedy(models, prompts, greedy_base, method, 3, confidence_threshold=0.5)
+@pytest.mark.parametrize("method,of", [("sd", "step"), ("tli", "step"), ("slem", "step"), ("tli", "prefix")])
+def test_greedy_identity_with_confidence_threshold(models, prompts, greedy_base, method, of):
+    """A row drafts only while the drafter's top probability (or the product of the round's) is
+    >= 0.5: some rounds propose fewer than K drafts or none (the verify is narrower), and the
+    output is still the target's."""
+    s, st = _check_greedy(models, prompts, greedy_base, method, 3, confidence_threshold=0.5, confidence_of=of)
     drafted = np.asarray(s.extra.stats.drafted_B)
     rounds = np.asarray(s.extra.stats.rounds_B)
     full, _ = _check_greedy(models, prompts, greedy_base, method, 3)

@@ -181,18 +181,21 @@ def test_negative_controls_fail_the_g_test(pair, char_drafter, fault, temperatur
 TAU = {"tli": 0.2, "slem": 0.15}
 
 
-@pytest.mark.parametrize("method,temperature,top_k", [("tli", 1.0, None), ("slem", 0.7, 3)])
-def test_confidence_threshold_is_lossless(pair, method, temperature, top_k):
-    """A row drafts step j only while the drafter's top probability there is >= TAU: a stopping time
-    of the drafts before j, so the output is still the target's distribution."""
-    s, prompt = run_rows(pair, method, temperature=temperature, top_k=top_k, confidence_threshold=TAU[method])
+@pytest.mark.parametrize("method,temperature,top_k,of,tau", [
+    ("tli", 1.0, None, "step", TAU["tli"]), ("slem", 0.7, 3, "step", TAU["slem"]), ("tli", 1.0, None, "prefix", 0.05)])
+def test_confidence_threshold_is_lossless(pair, method, temperature, top_k, of, tau):
+    """A row drafts step j only while the drafter's top probability there (or the product of the
+    round's top probabilities, ``of="prefix"``) is >= tau: a stopping time of the drafts before j,
+    so the output is still the target's distribution."""
+    s, prompt = run_rows(pair, method, temperature=temperature, top_k=top_k, confidence_threshold=tau,
+                         confidence_of=of)
     st = s[0].extra.stats
     drafted, rounds = int(np.sum(st.drafted_B)), int(np.sum(st.rounds_B))
     assert 0.1 * rounds < drafted < 0.9 * 2 * rounds, (drafted, rounds)  # the gate acts, and not always
     p = exact_distribution(pair[0], prompt, temperature, top_k)
     g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
-    print(f"{method} tau={TAU[method]} T={temperature} top_k={top_k}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
-    assert pval > 0.01, f"{method} tau={TAU[method]}: G = {g:.1f}, df = {df}, p = {pval:.3g}"
+    print(f"{method} {of} tau={tau} T={temperature} top_k={top_k}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
+    assert pval > 0.01, f"{method} {of} tau={tau}: G = {g:.1f}, df = {df}, p = {pval:.3g}"
 
 
 def test_dropping_a_draft_for_its_own_probability_fails_the_g_test(pair):
