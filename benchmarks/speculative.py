@@ -362,6 +362,8 @@ def main(argv=None):
                          "probability is >= TAU (SpeculativeConfig.confidence_threshold), METHOD@pTAU while the "
                          "product of the round's top probabilities is (confidence_of='prefix'), e.g. tli,tli@0.4")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-offset", type=int, default=0,
+                    help="skip this many held-out prompts (choose settings on other prompts than those reported)")
     ap.add_argument("--b1-prompts", type=int, default=8,
                     help="batch 1 decodes each of this many prompts alone, one after another, and times the sum")
     ap.add_argument("--drafter-init", default="scratch", choices=("scratch", "target"),
@@ -420,7 +422,7 @@ def main(argv=None):
     drafter, train_s = make_drafter(args, float_target, train)
     batches = [int(b) for b in args.batches.split(",")]
     n_prompts = max(max(batches), args.b1_prompts)
-    prompts_all = heldout_prompts(target, n_prompts, args.prompt_tokens)
+    prompts_all = heldout_prompts(target, args.prompt_offset + n_prompts, args.prompt_tokens)[args.prompt_offset:]
     constraint = None
     if args.json_schema:
         constraint = schema_constraint(args.json_schema, target)
