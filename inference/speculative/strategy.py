@@ -335,11 +335,13 @@ class SpeculativeStrategy:
         pend = jnp.maximum(jnp.where(unfed[:, None], with_draft, without), 0)[:, :M]
         return pend, jnp.minimum(unfed.astype(jnp.int32) + n_ids, M)
 
-    def _schedule(self, k_B, n_B, full_B, active_B):
+    def _schedule(self, k_B, n_B, proposed_B, active_B):
+        """The heuristic schedule's next K: +2 when every proposed draft was accepted, else -1; a
+        row that proposed nothing (finished, or unsure: ``confidence``) keeps its K."""
         if self.schedule == "constant":
             return k_B
-        new = jnp.where(full_B, jnp.minimum(k_B + 2, self.k_max), jnp.maximum(k_B - 1, 1))
-        return jnp.where(active_B, new, k_B)
+        new = jnp.where(n_B == proposed_B, jnp.minimum(k_B + 2, self.k_max), jnp.maximum(k_B - 1, 1))
+        return jnp.where(active_B & (proposed_B > 0), new, k_B)
 
     def _stats(self, st: SpecStats, active_B, drafter_calls, drafted_B, accepted_B) -> SpecStats:
         a = active_B.astype(jnp.int32)
@@ -449,7 +451,7 @@ class SpeculativeStrategy:
         stats = self._stats(sp.stats, active, calls, k_B, n)
         return s.replace(extra=sp.replace(
             cache=dcache, dlen_B=keep(new_dl, sp.dlen_B), pend_BM=keep(pend, sp.pend_BM),
-            n_pend_B=keep(n_pend, sp.n_pend_B), k_B=self._schedule(sp.k_B, n, n == k_B, active), stats=stats))
+            n_pend_B=keep(n_pend, sp.n_pend_B), k_B=self._schedule(sp.k_B, n, k_B, active), stats=stats))
 
     # ------------------------------------------------------------------ SLEM
     def _step_slem(self, ctx, s):
@@ -478,7 +480,7 @@ class SpeculativeStrategy:
         n = P.exact_match(cand, n_cand, drawn)
         s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
         stats = self._stats(sp.stats, active, fed + 1, n_cand, n)
-        extra = sp.replace(cache=dcache, dlen_B=dl, k_B=self._schedule(sp.k_B, n, n == n_cand, active), stats=stats)
+        extra = sp.replace(cache=dcache, dlen_B=dl, k_B=self._schedule(sp.k_B, n, n_cand, active), stats=stats)
         return s.replace(extra=extra)
 
 

@@ -131,6 +131,16 @@ def test_greedy_identity_with_confidence_threshold(models, prompts, greedy_base,
     assert 0 < drafted.sum() < np.asarray(full.extra.stats.drafted_B).sum(), (drafted.sum(), rounds.sum())
 
 
+@pytest.mark.parametrize("tau", [None, 0.5])
+def test_heuristic_schedule(models, prompts, greedy_base, tau):
+    """schedule="heuristic" (+2 after a fully accepted round, -1 otherwise, within 1..max_draft_tokens = 4),
+    alone and with a confidence threshold: the target's output, and the rows end on different K."""
+    s, _ = _check_greedy(models, prompts, greedy_base, "tli", 2, schedule="heuristic", max_draft_tokens=4,
+                         confidence_threshold=tau)
+    k = np.asarray(s.extra.k_B)
+    assert k.min() >= 1 and k.max() == 4 and len(set(k.tolist())) > 2, np.bincount(k)  # the cap is reached
+
+
 def test_confidence_threshold_one_never_drafts(models, prompts, greedy_base):
     """tau = 1: no softmax of the drafter reaches it, so no round drafts: one target call per token
     (every verify is a one-token call), the target's output."""
