@@ -93,9 +93,18 @@ def _check_greedy(models, prompts, greedy_base, method, k, stops=(), **options):
     return s, st
 
 
+_K3 = {}  # method -> (state, stats) of the K = 3 run, shared with the confidence-threshold test
+
+
+def _k3(models, prompts, greedy_base, method):
+    if method not in _K3:
+        _K3[method] = _check_greedy(models, prompts, greedy_base, method, 3)
+    return _K3[method]
+
+
 @pytest.mark.parametrize("method", ["sd", "tli", "slem", "slrs"])
 def test_greedy_identity(models, prompts, greedy_base, method):
-    s, st = _check_greedy(models, prompts, greedy_base, method, 3)
+    s, st = _k3(models, prompts, greedy_base, method)
     assert st["target_calls"] < N_NEW * 0.8, st  # drafts were accepted: fewer target calls than tokens
     if method == "slrs":  # the drafter follows the text (a drafter never fed the target's tokens fails this)
         assert st["acceptance_rate"] > 0.6, st
@@ -125,7 +134,7 @@ def test_greedy_identity_with_confidence_threshold(models, prompts, greedy_base,
     s, st = _check_greedy(models, prompts, greedy_base, method, 3, confidence_threshold=0.5, confidence_of=of)
     drafted = np.asarray(s.extra.stats.drafted_B)
     rounds = np.asarray(s.extra.stats.rounds_B)
-    full, _ = _check_greedy(models, prompts, greedy_base, method, 3)
+    full, _ = _k3(models, prompts, greedy_base, method)
     if method != "slem":  # (slem counts target candidates, which a re-tokenisation can make more of)
         assert (drafted <= 3 * rounds).all()
     assert 0 < drafted.sum() < np.asarray(full.extra.stats.drafted_B).sum(), (drafted.sum(), rounds.sum())
