@@ -299,13 +299,11 @@ class SpeculativeStrategy:
 
         qv0 = jnp.zeros((B, K, V_D), jnp.float32) if keep_q else jnp.zeros((B, K, 1), jnp.float32)
         zeros = jnp.zeros((B,), jnp.int32)
+        # (step, cache, logits, drafts, q, key, row drafts on, its confidence, drafts per row, fed, go on)
         init = (jnp.int32(0), cache, logits_BV, jnp.zeros((B, K), jnp.int32), qv0, key, k_B > 0,
-                jnp.ones((B,), jnp.float32), zeros,
-                jnp.int32(0), J > 0)
-        out = jax.lax.while_loop(lambda c: c[-1], body, init)
-        _, cache, _, drafts, qv, _, _, _, n_B, fed, _ = out
+                jnp.ones((B,), jnp.float32), zeros, jnp.int32(0), J > 0)
+        _, cache, _, drafts, qv, _, _, _, n_B, fed, _ = jax.lax.while_loop(lambda c: c[-1], body, init)
         return cache, drafts, (qv if keep_q else None), n_B, fed
-
 
     def _draft_slrs(self, ctx, cache, dl_B, logits_BV, J, key):
         args = ctx.args
