@@ -321,7 +321,8 @@ def system_config(system: str, **options) -> tuple:
     ``confidence_threshold`` TAU."""
     method, at, tau = system.partition("@")
     of = "prefix" if tau.startswith("p") else "step"
-    return method, {**options, "confidence_threshold": float(tau.lstrip("p")) if at else None, "confidence_of": of}
+    tau = tau[1:] if of == "prefix" else tau
+    return method, {**options, "confidence_threshold": float(tau) if at else None, "confidence_of": of}
 
 
 def check_systems(text: str) -> list:
@@ -397,9 +398,9 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="--real-pair: sample at this temperature (acceptance of sampled tli / slem)")
     args = ap.parse_args(argv)
-    systems = check_systems(args.methods)  # before any drafter is trained
+    methods = check_systems(args.methods)  # before any drafter is trained
     if args.real_pair:
-        return real_pair(args, systems)
+        return real_pair(args, methods)
     if args.quick:
         args.new_tokens, args.reps = min(args.new_tokens, 48), 1
 
@@ -427,7 +428,6 @@ def main(argv=None):
     if args.json_schema:
         constraint = schema_constraint(args.json_schema, target)
         prompts_all = tool_prompts(target, n_prompts)
-    methods = systems
     results, teacher_forced = {}, None
     print(f"target {target_name} (V={cfg.vocab_size}); drafter {drafter.config.n_layers}x{drafter.config.d_model} "
           f"(V={drafter.config.vocab_size}, {sum(x.size for x in jax.tree.leaves(drafter.state)) / 1e6:.1f}M params, "

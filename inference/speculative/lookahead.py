@@ -2,7 +2,10 @@
 
 Mamou et al., "Dynamic Speculation Lookahead Accelerates Speculative Decoding of Large Language
 Models" (DISCO, 2024), and transformers' ``assistant_confidence_threshold``: a row stops drafting
-when the drafter is unsure of its next token. Here a row drafts step j only while
+when the drafter is unsure of its next token. DISCO decides with a classifier trained on the
+drafter's features; transformers, as here, with the drafter's own probability, and it also re-fits
+its threshold online from the observed acceptances. Here the threshold is fixed (no training, no
+online fit). A row drafts step j only while
 
     c_j = max_x softmax(z_j)(x) >= tau,
 
@@ -43,7 +46,7 @@ def verify_widths(k_max: int) -> tuple:
     """The verify widths compiled for a draft cap of ``k_max``: every width up to 4, the powers of
     two above it, and k_max + 1 (sorted, unique)."""
     full = k_max + 1
-    widths = {w for w in range(1, min(full, 4) + 1)} | {full}
+    widths = set(range(1, min(full, 4) + 1)) | {full}
     w = 8
     while w < full:
         widths.add(w)
@@ -65,10 +68,8 @@ def narrow_call(call, tokens_BT: jax.Array, positions_BT: jax.Array, needed: jax
             return jnp.pad(logits, ((0, 0), (0, T - w), (0, 0))), cache
         return run
 
-    if len(widths) == 1:
-        return branch(T)(None)
     index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.asarray(needed, jnp.int32))
-    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [branch(w) for w in widths], None)
+    return jax.lax.switch(index, [branch(w) for w in widths], None)  # (switch clamps the index)
 
 
 __all__ = ["top_probability", "verify_widths", "narrow_call"]
