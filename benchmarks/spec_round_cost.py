@@ -19,13 +19,16 @@ first draft counted as one drafter step), and the per-draft acceptance a at whic
 and 1.5 x target-only tokens/s. ``--calls-per-token B=x,...`` (target calls per generated token
 that ``benchmarks/speculative.py`` measured at K = ``--measured-k`` with a trained drafter, e.g. on
 CPU) predicts this machine's speed-up at that acceptance, ``1 / (x * c(K))``: a prediction from
-the cost model (it matched the CPU measurements within their noise), not a measurement. Ends with one
-JSON line.
+the cost model (it matched the CPU measurements within their noise), not a measurement. ``--narrowed`` also
+times the confidence gate's verify (``lookahead.narrow_call``: a ``lax.switch`` over the compiled
+widths) when it runs at width 1 and at K + 1, against the direct calls of those widths: the price
+of the switch. Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -34,18 +37,28 @@ import jax.numpy as jnp
 from pallasite.benchmarks.timing import median_time
 
 
-def step_ms(model, B: int, T: int, iters: int, cached: int = 64) -> float:
-    """Median ms of one ``forward_with_cache`` call of ``model`` at [B, T] after ``cached`` tokens."""
+def step_ms(model, B: int, T: int, iters: int, cached: int = 64, narrowed_to: int | None = None) -> float:
+    """Median ms of one ``forward_with_cache`` call of ``model`` at [B, T] after ``cached`` tokens.
+    ``narrowed_to=w``: the call goes through the confidence gate's ``lookahead.narrow_call`` (a
+    ``lax.switch`` over ``verify_widths(T - 1)``) and runs at the narrowest width >= w."""
     from pallasite.inference.engine import forward_with_cache
+    from pallasite.inference.speculative.lookahead import narrow_call, verify_widths
     from pallasite.registry import KV_CACHE
 
     cfg = model.config
     cache = [KV_CACHE.get(cfg.kv_cache).create(cfg, B, cached + 64, config=None, model=None)]
     tokens = jnp.ones((B, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + cached, (B, T))
+    if narrowed_to is None:
+        forward = functools.partial(forward_with_cache, model.graphdef)
+    else:
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def forward(state, cache, tokens, positions):
+            return narrow_call(lambda t, p: forward_with_cache(model.graphdef, state, cache, t, p), tokens,
+                               positions, jnp.int32(narrowed_to), verify_widths(T - 1))
 
     def call():  # the cache is donated: keep the returned one (same positions each call)
-        logits, cache[0] = forward_with_cache(model.graphdef, model.state, cache[0], tokens, positions)
+        logits, cache[0] = forward(model.state, cache[0], tokens, positions)
         return logits
 
     return 1e3 * median_time(call, iters=iters)
@@ -132,6 +145,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="1,2,3,4", help="draft lengths K (the verify is K + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--narrowed", action="store_true",
+                    help="also time the confidence gate's narrowed verify (lax.switch) at K = --measured-k, "
+                         "needed width 1 and K + 1, against the direct calls of those widths")
     args = ap.parse_args(argv)
     if args.drafter and args.drafter_shape:
         raise SystemExit("benchmarks.spec_round_cost: pass --drafter or --drafter-shape, not both")
@@ -173,6 +189,13 @@ def main(argv=None):
                   f"1.0x {r['a_for_1.0x']}, 1.3x {r['a_for_1.3x']}, 1.5x {r['a_for_1.5x']}")
         out["batches"][B] = {"target_ms": {T: round(v, 2) for T, v in ms.items()},
                              "drafter_step_ms": round(d_ms, 3), "k": rows}
+        if args.narrowed:
+            K = args.measured_k
+            switch = {w: step_ms(target, B, K + 1, args.iters, narrowed_to=w) for w in (1, K + 1)}
+            for w, v in switch.items():
+                print(f"  narrowed verify at B={B}, K={K}, width {w}: {v:.1f} ms, {v / ms[w]:.2f}x the direct "
+                      f"{w}-token call", flush=True)
+            out["batches"][B]["narrowed_ms"] = {"k": K, **{w: round(v, 2) for w, v in switch.items()}}
         if B in measured:
             pred = predicted_speedup(measured[B], rows[args.measured_k]["round_cost_steps"])
             print(f"  predicted speed-up at B={B}, K={args.measured_k}, {measured[B]} target calls per token "
