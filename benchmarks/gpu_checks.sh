@@ -37,6 +37,6 @@ run fp4_bench         300 python -m pallasite.benchmarks.fp4 --quick
 # speculative decoding's round cost (verify of K + 1 tokens and the 2x8192 drafter's step, in target
 # steps; random weights: no GGUF on the GPU box) and the speed-up it predicts at the target calls per
 # token the trained drafter made on CPU (docs/speculative.md): a prediction, not a measurement; and
-# what the confidence gate's narrowed verify (a lax.switch over widths) costs against direct calls
+# what the confidence gate's narrowed verify (one compiled call per width) costs against direct calls
 run spec_round_cost   180 python -m pallasite.benchmarks.spec_round_cost --random-weights --dtype bfloat16 \
                           --drafter-shape 2x8192 --calls-per-token 1=0.604,8=0.906 --narrowed

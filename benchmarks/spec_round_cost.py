@@ -20,9 +20,9 @@ and 1.5 x target-only tokens/s. ``--calls-per-token B=x,...`` (target calls per 
 that ``benchmarks/speculative.py`` measured at K = ``--measured-k`` with a trained drafter, e.g. on
 CPU) predicts this machine's speed-up at that acceptance, ``1 / (x * c(K))``: a prediction from
 the cost model (it matched the CPU measurements within their noise), not a measurement. ``--narrowed`` also
-times the confidence gate's verify (``lookahead.narrow_call``: a ``lax.switch`` over the compiled
-widths) when it runs at width 1 and at K + 1, against the direct calls of those widths: the price
-of the switch. Ends with one JSON line.
+times the confidence gate's verify (``lookahead.narrow_call``, one compiled call per width) when
+it runs at width 1 and at K + 1, against the direct calls of those widths: the price of choosing
+the width at run time. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pallasite.benchmarks.timing import median_time
 
 def step_ms(model, B: int, T: int, iters: int, cached: int = 64, narrowed_to: int | None = None) -> float:
     """Median ms of one ``forward_with_cache`` call of ``model`` at [B, T] after ``cached`` tokens.
-    ``narrowed_to=w``: the call goes through the confidence gate's ``lookahead.narrow_call`` (a
-    ``lax.switch`` over ``verify_widths(T - 1)``) and runs at the narrowest width >= w."""
+    ``narrowed_to=w``: the call goes through the confidence gate's ``lookahead.narrow_call`` (over
+    ``verify_widths(T - 1)``) and runs at the narrowest width >= w."""
     from pallasite.inference.engine import forward_with_cache
     from pallasite.inference.speculative.lookahead import narrow_call, verify_widths
     from pallasite.registry import KV_CACHE
@@ -54,7 +54,7 @@ def step_ms(model, B: int, T: int, iters: int, cached: int = 64, narrowed_to: in
     else:
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward(state, cache, tokens, positions):
-            return narrow_call(lambda t, p: forward_with_cache(model.graphdef, state, cache, t, p), tokens,
+            return narrow_call(functools.partial(forward_with_cache, model.graphdef, state), cache, tokens,
                                positions, jnp.int32(narrowed_to), verify_widths(T - 1))
 
     def call():  # the cache is donated: keep the returned one (same positions each call)
@@ -146,7 +146,7 @@ def main(argv=None):
     ap.add_argument("--ks", default="1,2,3,4", help="draft lengths K (the verify is K + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--narrowed", action="store_true",
-                    help="also time the confidence gate's narrowed verify (lax.switch) at K = --measured-k, "
+                    help="also time the confidence gate's narrowed verify (lookahead.narrow_call) at K = --measured-k, "
                          "needed width 1 and K + 1, against the direct calls of those widths")
     args = ap.parse_args(argv)
     if args.drafter and args.drafter_shape:
@@ -191,11 +191,11 @@ def main(argv=None):
                              "drafter_step_ms": round(d_ms, 3), "k": rows}
         if args.narrowed:
             K = args.measured_k
-            switch = {w: step_ms(target, B, K + 1, args.iters, narrowed_to=w) for w in (1, K + 1)}
-            for w, v in switch.items():
+            narrowed = {w: step_ms(target, B, K + 1, args.iters, narrowed_to=w) for w in (1, K + 1)}
+            for w, v in narrowed.items():
                 print(f"  narrowed verify at B={B}, K={K}, width {w}: {v:.1f} ms, {v / ms[w]:.2f}x the direct "
                       f"{w}-token call", flush=True)
-            out["batches"][B]["narrowed_ms"] = {"k": K, **{w: round(v, 2) for w, v in switch.items()}}
+            out["batches"][B]["narrowed_ms"] = {"k": K, **{w: round(v, 2) for w, v in narrowed.items()}}
         if B in measured:
             pred = predicted_speedup(measured[B], rows[args.measured_k]["round_cost_steps"])
             print(f"  predicted speed-up at B={B}, K={args.measured_k}, {measured[B]} target calls per token "

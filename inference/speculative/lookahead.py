@@ -21,8 +21,8 @@ stops after it; here it is not proposed, so a round can propose nothing, and its
 one-token target step.
 
 The verify then runs at the narrowest compiled width that holds the widest row's drafts plus the
-target's own token (``verify_widths``: 1..4, the powers of two, K + 1; one ``lax.switch`` branch,
-i.e. one compiled target call, per width). Where a (K + 1)-token target call costs well over a
+target's own token (``verify_widths``: 1..4, the powers of two, K + 1; one compiled target call per
+width, each in a loop that runs once or not at all: ``narrow_call``). Where a (K + 1)-token target call costs well over a
 one-token one (XLA:CPU, 1.5-2x at K = 3: docs/speculative.md), a round with few drafts pays for few.
 """
 
@@ -54,22 +54,31 @@ def verify_widths(k_max: int) -> tuple:
     return tuple(sorted(widths))
 
 
-def narrow_call(call, tokens_BT: jax.Array, positions_BT: jax.Array, needed: jax.Array, widths: tuple):
-    """``call(tokens, positions) -> (logits [B, w, V], cache)`` at the narrowest of ``widths`` that is
-    >= ``needed`` (a traced int32 scalar, <= T); the logits are zero-padded back to T positions
-    (positions >= the width are not read by the caller: they hold no draft)."""
+def narrow_call(call, cache, tokens_BT: jax.Array, positions_BT: jax.Array, needed: jax.Array, widths: tuple):
+    """``call(cache, tokens, positions) -> (logits [B, w, ...], cache)`` at the narrowest of ``widths``
+    that is >= ``needed`` (a traced int32 scalar, <= T); the logits are zero-padded back to T
+    positions (positions >= the width are not read by the caller: they hold no draft).
+
+    One ``while_loop`` per width, the chosen one running once and the others not at all, rather
+    than a ``lax.switch``: XLA copies an operand that a conditional's branch updates in place, i.e.
+    every cache array twice a round (measured: docs/speculative.md), while a loop carry is updated
+    in place."""
     T = tokens_BT.shape[1]
     if widths[-1] != T:
         raise ValueError(f"narrow_call: the widest width ({widths[-1]}) must be the token buffer's ({T})")
-
-    def branch(w: int):
-        def run(_):
-            logits, cache = call(tokens_BT[:, :w], positions_BT[:, :w])
-            return jnp.pad(logits, ((0, 0), (0, T - w), (0, 0))), cache
-        return run
-
     index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), jnp.asarray(needed, jnp.int32))
-    return jax.lax.switch(index, [branch(w) for w in widths], None)  # (switch clamps the index)
+    index = jnp.minimum(index, len(widths) - 1)  # needed > T (not expected) runs the full width
+    shape = jax.eval_shape(lambda c: call(c, tokens_BT, positions_BT)[0], cache)
+    logits = jnp.zeros(shape.shape, shape.dtype)
+    for i, w in enumerate(widths):
+        def run_once(state, w=w):
+            _, cache, _ = state
+            logits_w, cache = call(cache, tokens_BT[:, :w], positions_BT[:, :w])
+            pad = [(0, 0), (0, T - w)] + [(0, 0)] * (logits_w.ndim - 2)
+            return jnp.pad(logits_w, pad).astype(shape.dtype), cache, jnp.bool_(False)
+
+        logits, cache, _ = jax.lax.while_loop(lambda state: state[2], run_once, (logits, cache, index == i))
+    return logits, cache
 
 
 __all__ = ["top_probability", "verify_widths", "narrow_call"]

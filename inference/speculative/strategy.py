@@ -360,7 +360,7 @@ class SpeculativeStrategy:
         positions = s.next_positions_B[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         if self.confidence is None:
             return ctx.model(s.cache, tokens, positions)
-        return LA.narrow_call(lambda t, p: ctx.model(s.cache, t, p), tokens, positions, jnp.max(n_cand_B) + 1,
+        return LA.narrow_call(ctx.model, s.cache, tokens, positions, jnp.max(n_cand_B) + 1,
                               LA.verify_widths(tokens.shape[1] - 1))
 
     def _finish(self, ctx, s, cache, tokens_BK1, n_new_B):
