@@ -34,7 +34,7 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
                  "catekv": "pallasite.inference.cache.catekv"},
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
     "decode_strategy": {"sample": "pallasite.inference.engine",
-                        "speculative": "pallasite.inference.speculative.strategy",
+                        "speculative": "pallasite.inference.speculative.build",
                         "constrained": "pallasite.inference.constrained.strategy"},
     "loss": {"lm": "pallasite.training.losses.lm", "sft": "pallasite.training.losses.sft",
              "dpo": "pallasite.training.losses.dpo", "overtone": "pallasite.training.losses.overtone"},

@@ -100,7 +100,7 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
-    from pallasite.inference.speculative.strategy import build_speculative
+    from pallasite.inference.speculative.build import build_speculative
 
     cfg, g, st = target.config, target.graphdef, target.state
     eos = tuple(cfg.eos_token_id or ())
@@ -249,7 +249,7 @@ def pair_rows(target, drafter, methods, ks, new_tokens: int, temperature: float 
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
-    from pallasite.inference.speculative.strategy import build_speculative
+    from pallasite.inference.speculative.build import build_speculative
 
     cfg, g, st = target.config, target.graphdef, target.state
     prompts = [target.encode(p) for p in REAL_PROMPTS]

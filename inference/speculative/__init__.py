@@ -2,9 +2,10 @@
 TLI, SLRS; Timor et al., ICML 2025): ``pallasite.generate(model, prompts, drafter=other,
 method="auto")``. docs/speculative.md has the method, the measurements and the notes."""
 
+from pallasite.inference.speculative.build import build_speculative, stats_of
 from pallasite.inference.speculative.drafter import Drafter
 from pallasite.inference.speculative.options import METHODS, SpeculativeConfig
-from pallasite.inference.speculative.strategy import SpeculativeStrategy, build_speculative, stats_of
+from pallasite.inference.speculative.strategy import SpeculativeStrategy
 from pallasite.inference.speculative.vocab import PairMap, TokenText, pair_map, token_text
 
 

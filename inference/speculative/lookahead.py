@@ -22,8 +22,9 @@ one-token target step.
 
 The verify then runs at the narrowest compiled width that holds the widest row's drafts plus the
 target's own token (``verify_widths``: 1..4, the powers of two, K + 1; one compiled target call per
-width, each in a loop that runs once or not at all: ``narrow_call``). Where a (K + 1)-token target call costs well over a
-one-token one (XLA:CPU, 1.5-2x at K = 3: docs/speculative.md), a round with few drafts pays for few.
+width, each in a loop that runs once or not at all: ``narrow_call``). Where a (K + 1)-token target
+call costs well over a one-token one (XLA:CPU, 1.5-2x at K = 3: docs/speculative.md), a round with
+few drafts pays for few.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pallasite.errors import ConfigError
 from pallasite.inference import engine as E
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.speculative import Drafter, stats_of
-from pallasite.inference.speculative.strategy import build_speculative
+from pallasite.inference.speculative.build import build_speculative
 
 
 def _fixtures():

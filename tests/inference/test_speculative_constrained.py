@@ -1,7 +1,7 @@
 """Speculative decoding composes with constrained decoding (issues 16 and 17).
 
 The target's distribution is masked by the grammar at the next position and after each draft
-prefix (``SpeculativeStrategy.target_mask`` = ``speculative.strategy.constraint_mask``); the drafter
+prefix (``SpeculativeStrategy.target_mask`` = ``speculative.build.constraint_mask``); the drafter
 drafts only what the grammar allows (``draft_mask``; sd / tli) or unconstrained (slem, or
 ``mask_drafts=False``). So greedy constrained speculative output must equal greedy constrained
 target-only output (the ``constrained`` strategy) token for token, for SD, TLI and SLEM, with a
@@ -22,7 +22,7 @@ from pallasite.inference.config import GenerationConfig
 from pallasite.inference.constrained import Constraint
 from pallasite.inference.constrained.strategy import build_constrained
 from pallasite.inference.speculative import stats_of
-from pallasite.inference.speculative.strategy import build_speculative
+from pallasite.inference.speculative.build import build_speculative
 
 
 def _fixtures():

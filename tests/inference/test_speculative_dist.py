@@ -30,7 +30,7 @@ from pallasite.inference import engine as E
 from pallasite.inference.config import GenerationConfig
 from pallasite.inference.sampling import SamplingParams, filter_logits
 from pallasite.inference.speculative import Drafter
-from pallasite.inference.speculative.strategy import build_speculative
+from pallasite.inference.speculative.build import build_speculative
 from pallasite.models.transformer import forward
 
 
