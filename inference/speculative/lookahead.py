@@ -76,7 +76,7 @@ def narrow_call(call, cache, tokens_BT: jax.Array, positions_BT: jax.Array, need
             _, cache, _ = state
             logits_w, cache = call(cache, tokens_BT[:, :w], positions_BT[:, :w])
             pad = [(0, 0), (0, T - w)] + [(0, 0)] * (logits_w.ndim - 2)
-            return jnp.pad(logits_w, pad).astype(shape.dtype), cache, jnp.bool_(False)
+            return jnp.pad(logits_w, pad), cache, jnp.bool_(False)
 
         logits, cache, _ = jax.lax.while_loop(lambda state: state[2], run_once, (logits, cache, index == i))
     return logits, cache
