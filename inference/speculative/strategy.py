@@ -7,7 +7,8 @@ Heterogeneous Vocabularies" (ICML 2025). A round: feed the drafter what it has n
 prefix plus one target token, roll both caches back per row (length reset). Methods:
 ``sd`` shared vocabulary, Leviathan accept / residual / bonus; ``tli`` (Alg. 4) the drafter samples
 from q' = q renormalised on V_T ∩ V_D (its logits masked to the intersection, as transformers'
-pruned LM head), verified like sd with the residual over all of V_T; ``slem`` (Alg. 2) the draft's
+pruned LM head), verified like sd with the residual over all of V_T (q' of a target token sums the
+drafter tokens that spell it, where several do); ``slem`` (Alg. 2) the draft's
 text is re-tokenised for the target on the host (``host.py``) and the target's own draws are matched
 exactly (greedy and sampling); ``slrs`` (Alg. 3) proposes target tokens from ψ, the law of the
 first target token of a character-level drafter's string (``slrs.py``), verified like sd. ``auto`` =
@@ -365,13 +366,22 @@ class SpeculativeStrategy:
         s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
         return s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
 
+    def _merges_spellings(self) -> bool:
+        """tli where several drafter tokens spell one target token (``PairMap.n_merged``); the
+        negative control ``unmerged_q`` takes the drafted token's own q instead (biased)."""
+        return (self.method == "tli" and self.pair is not None and self.pair.n_merged > 0
+                and self.fault != "unmerged_q")
+
     def _verify_sampled(self, ctx, s, logits, cand, drafts, qv, k_B, d2t, k_acc, k_res):
         """Leviathan verification of the drafts (sd / tli / slrs): (accepted length n [B], the
         emitted tokens [B, K+1]: the accepted drafts then the residual or bonus token)."""
         B, K, VT = cand.shape[0], self.k_max, logits.shape[-1]
         p = self._target_probs(ctx, s, logits, cand)  # [B, K+1, V_T]
         p_tok = jnp.take_along_axis(p[:, :K], cand[..., None], axis=-1)[..., 0]
-        q_tok = jnp.take_along_axis(qv, drafts[..., None], axis=-1)[..., 0]
+        if self._merges_spellings():  # q' of the proposed target token: all drafter tokens that spell it
+            q_tok = jnp.sum(jnp.where(d2t[None, None, :] == cand[..., None], qv, 0.0), axis=-1)
+        else:
+            q_tok = jnp.take_along_axis(qv, drafts[..., None], axis=-1)[..., 0]
         n = P.leviathan_accept(k_acc, p_tok, q_tok, k_B)
         rejected = n < k_B
         q_at = D.take_positions(qv, jnp.minimum(n, K - 1))  # [B, V_D], the rejected draft's q

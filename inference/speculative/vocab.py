@@ -10,7 +10,10 @@ Timor et al. / transformers' ``AssistantToTargetTranslator`` (``Ġ`` and ``▁``
 ``d2t [V_D]`` drafter id -> target id of the same bytes (-1 outside the intersection; special and
 byte-fallback tokens excluded; EOS mapped to EOS), and ``t2d [V_T, L]`` the drafter tokens of each
 target token's bytes (its mapped id when it has one, else the drafter's encoding of its text, else
-byte tokens) used to keep the drafter's context in step without the host.
+byte tokens) used to keep the drafter's context in step without the host. Several drafter ids may
+spell one target token (``n_merged``; e.g. a vocabulary with both ``▁`` and a literal space): the
+intersection is one of strings, so TLI's q' of that token is the sum of their q, and ``t2d`` uses
+the one the drafter's tokenizer produces.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ class PairMap:
     n_truncated: int  # target tokens whose drafter encoding was cut to L tokens
     n_unencodable: int  # target text tokens the drafter's tokenizer does not reproduce
     same_vocab: bool
+    n_merged: int = 0  # target tokens that several drafter tokens spell (q' sums over them)
 
     @property
     def intersection(self) -> int:
@@ -180,7 +184,7 @@ class PairMap:
     def summary(self) -> dict:
         return {"target_vocab": len(self.target), "drafter_vocab": len(self.drafter), "intersection": self.intersection,
                 "same_vocab": self.same_vocab, "t2d_width": int(self.t2d.shape[1]), "t2d_truncated": self.n_truncated,
-                "unencodable": self.n_unencodable}
+                "unencodable": self.n_unencodable, "merged": self.n_merged}
 
 
 def _build_pair(target: TokenText, drafter: TokenText, max_len: int) -> PairMap:
@@ -203,13 +207,19 @@ def _build_pair(target: TokenText, drafter: TokenText, max_len: int) -> PairMap:
     same = len(target) == len(drafter) and all(
         a == b for a, b in zip(target.bytes, drafter.bytes)) and target.eos_ids == drafter.eos_ids
     t2d_lists: list[list[int]] = []
-    inv = {int(t): j for j, t in enumerate(d2t) if t >= 0 and drafter.bytes[j] is not None}
+    spellers: dict[int, list[int]] = {}  # target id -> the drafter ids of its bytes
+    for j, t in enumerate(d2t):
+        if t >= 0 and drafter.bytes[j] is not None:
+            spellers.setdefault(int(t), []).append(j)
     bad = 0
     for i, b in enumerate(target.bytes):
         if b is None:
             ids = [drafter.eos_ids[0]] if (i in target.eos_ids and drafter.eos_ids) else []
-        elif i in inv:
-            ids = [inv[i]]
+        elif i in spellers:
+            ids = spellers[i][:1]
+            if len(spellers[i]) > 1:  # several drafter tokens spell it: the one its tokenizer produces
+                own, _ = drafter.encode(b)
+                ids = own if len(own) == 1 and own[0] in spellers[i] else ids
         else:
             ids, done = drafter.encode(b)
             if done < len(b) or drafter.text_of(ids) != b[:done]:
@@ -226,7 +236,8 @@ def _build_pair(target: TokenText, drafter: TokenText, max_len: int) -> PairMap:
         ids = ids[:width]
         t2d[i, :len(ids)] = ids
         t2d_len[i] = len(ids)
-    return PairMap(target, drafter, d2t, t2d, t2d_len, truncated, bad, same)
+    merged = sum(len(js) > 1 for js in spellers.values())
+    return PairMap(target, drafter, d2t, t2d, t2d_len, truncated, bad, same, merged)
 
 
 _TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -34,11 +34,15 @@ def target_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
 
 
-def drafter_tokenizer():
+def drafter_tokenizer(space_twice: bool = False):
+    """``space_twice``: the vocabulary also holds a literal " " (id 11) beside "▁", so two drafter
+    tokens spell the target's "Ġ" (the normaliser never produces id 11; a model can draft it)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<eos>": 0, "a": 1, "b": 2, "c": 3, "▁": 4, ".": 5, "\n": 6, "ca": 7, "▁b": 8, "ab": 9, "abc": 10}
+    if space_twice:
+        vocab[" "] = 11
     t = Tokenizer(models.BPE(vocab=vocab, merges=[("c", "a"), ("▁", "b"), ("a", "b"), ("ab", "c")]))
     t.normalizer = normalizers.Replace(" ", "▁")
     t.decoder = decoders.Sequence([decoders.Replace("▁", " ")])

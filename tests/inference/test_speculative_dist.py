@@ -3,7 +3,8 @@ one compiled loop) of SD / TLI / SLEM / SLRS pass a G-test against the target's 
 distribution at T = 1 and at T = 0.7 with top-k = 3, and the brief's negative controls (TLI
 without renormalisation, q from raw logits while drafting from top-k-processed ones, residual
 restricted to V_T ∩ V_D; for SLRS the ratio from P(string starts with t), overlapping events) fail
-the same test. Acceptance matches theory: Σ_∩ min(p, q') (TLI), Σ min(p, ψ) (SLRS, ψ by
+the same test. Where two drafter tokens spell one target token, TLI's q' sums them (and the
+drafted id's own q fails). Acceptance matches theory: Σ_∩ min(p, q') (TLI), Σ min(p, ψ) (SLRS, ψ by
 enumeration of a character drafter's strings, Σψ <= 1).
 
 Sample size: the lossless G-tests run at the issue's >= 50k rows (4 x 16384 = 65536, marked slow)
@@ -174,6 +175,41 @@ def test_negative_controls_fail_the_g_test(pair, char_drafter, fault, temperatur
     g, df, pval = g_stat(outcome_counts(s, pair[0][0].vocab_size), p)
     print(f"negative control {fault}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
     assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+
+
+@pytest.fixture(scope="module")
+def merged_pair(pair):
+    """``pair``'s target with a drafter whose vocabulary spells the target's "Ġ" twice ("▁" and " ")."""
+    dtok = F.drafter_tokenizer(space_twice=True)
+    return pair[0], F.random_model(len(dtok), seed=12, scale=2.5), pair[2], dtok
+
+
+def test_merged_spellings_map_to_one_target_token(merged_pair):
+    from pallasite.inference.speculative import pair_map
+
+    ttok, dtok = merged_pair[2], merged_pair[3]
+    pm = pair_map(ttok, dtok)
+    space_t, space_d = ttok.convert_tokens_to_ids("Ġ"), dtok.convert_tokens_to_ids("▁")
+    assert pm.n_merged == 1 and pm.summary()["merged"] == 1
+    assert sorted(np.flatnonzero(pm.d2t == space_t).tolist()) == [space_d, 11]
+    assert pm.t2d[space_t, : pm.t2d_len[space_t]].tolist() == [space_d]  # the id the drafter's tokenizer makes
+    assert pair_map(ttok, F.drafter_tokenizer()).n_merged == 0  # the usual drafter spells each once
+
+
+@pytest.mark.parametrize("fault", ["", "unmerged_q"])
+def test_tli_sums_q_over_the_drafter_tokens_of_one_target_token(merged_pair, fault):
+    """TLI's intersection is one of strings: the target's "Ġ" is proposed with q("▁") + q(" "), and
+    the ratio p / q' must use that sum. The negative control (the drafted id's own q) fails."""
+    s, prompt = run_rows(merged_pair, "tli", temperature=1.0, fault=fault)
+    drafted = int(sum(np.sum(x.extra.stats.drafted_B) for x in s))
+    assert drafted > RUNS  # the loop drafted (K = 2 per round)
+    g, df, pval = g_stat(outcome_counts(s, merged_pair[0][0].vocab_size), exact_distribution(merged_pair[0], prompt,
+                                                                                             1.0, None))
+    print(f"tli merged spellings {fault or 'summed'}: G = {g:.1f}, df = {df}, p = {pval:.3g}")
+    if fault:
+        assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+    else:
+        assert pval > 0.01, f"tli with merged spellings: G = {g:.1f}, df = {df}, p = {pval:.3g}"
 
 
 # the random drafters are flat (top probabilities ~0.1-0.3): these thresholds make a part of the
