@@ -14,6 +14,8 @@ target's text) and a mirror of what the drafter's cache holds. Called from the c
   boundary). A drafted EOS becomes the target's EOS. Candidates never change emitted tokens.
 
 Only bytes matter, so any tokenizer pair works; an unfinished UTF-8 character waits for its bytes.
+The ``cb_*`` functions at the end are what the strategy's ``jax.pure_callback`` calls run (the
+session's methods, and the drafter-side encoding of the prompts for the token-level methods).
 """
 
 from __future__ import annotations
@@ -220,4 +222,30 @@ def get_session(sid) -> SlemSession:
     return s
 
 
-__all__ = ["Row", "SlemSession", "get_session", "common_prefix"]
+# ----------------------------------------------------------------------------- the compiled loop's callbacks
+def cb_encode_prompts(prompt_BT, len_B, *, pair: PairMap, width: int):
+    B = prompt_BT.shape[0]
+    out = np.zeros((B, width), np.int32)
+    lens = np.zeros(B, np.int32)
+    anchor = [int(pair.drafter.bos_id)] if pair.drafter.adds_bos else []
+    for b in range(B):
+        ids = Row(pair, np.asarray(prompt_BT[b, : int(len_B[b])]).tolist(), anchor, 0).d_ids[-width:]
+        out[b, : len(ids)] = ids
+        lens[b] = len(ids)
+    return out, lens
+
+
+def cb_slem_init(sid, prompt_BT, len_B, *, width: int, capacity: int):
+    return get_session(sid).init_rows(np.asarray(prompt_BT), np.asarray(len_B), width, capacity)
+
+
+def cb_slem_resync(sid, out_BN, n_out_B, done_B, *, M: int):
+    return get_session(sid).resync(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), M)
+
+
+def cb_slem_propose(sid, drafts_BK, k_B, fed, done_B):
+    return get_session(sid).propose(np.asarray(drafts_BK), np.asarray(k_B), int(fed), np.asarray(done_B))
+
+
+__all__ = ["Row", "SlemSession", "get_session", "common_prefix", "cb_encode_prompts", "cb_slem_init", "cb_slem_resync",
+           "cb_slem_propose"]

@@ -36,16 +36,15 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from pallasite.errors import ConfigError
 from pallasite.inference.sampling import SamplingParams, SamplingSpec
 from pallasite.inference.speculative import drafter as D
+from pallasite.inference.speculative import host as H
 from pallasite.inference.speculative import lookahead as LA
 from pallasite.inference.speculative import probs as P
 from pallasite.inference.speculative import slrs as S
-from pallasite.inference.speculative.host import Row, get_session
 from pallasite.inference.speculative.vocab import PairMap
 from pallasite.ops.common import round_up
 
@@ -220,9 +219,9 @@ class SpeculativeStrategy:
         B = ctx.prompt_BT.shape[0]
         shapes = (jax.ShapeDtypeStruct((B, Tp), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
         if self.method == "slem":
-            fn = functools.partial(_cb_slem_init, width=Tp, capacity=Sd)
+            fn = functools.partial(H.cb_slem_init, width=Tp, capacity=Sd)
             return jax.pure_callback(fn, shapes, ctx.args.session, ctx.prompt_BT, s.prompt_len_B)
-        fn = functools.partial(_cb_encode_prompts, pair=self.pair, width=Tp)
+        fn = functools.partial(H.cb_encode_prompts, pair=self.pair, width=Tp)
         return jax.pure_callback(fn, shapes, ctx.prompt_BT, s.prompt_len_B)
 
     # ------------------------------------------------------------------ drafting
@@ -467,7 +466,7 @@ class SpeculativeStrategy:
         B, M = sp.pend_BM.shape
         shapes = (jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, M), jnp.int32),
                   jax.ShapeDtypeStruct((B,), jnp.int32))
-        dlen, pend, n_pend = jax.pure_callback(functools.partial(_cb_slem_resync, M=M), shapes, ctx.args.session,
+        dlen, pend, n_pend = jax.pure_callback(functools.partial(H.cb_slem_resync, M=M), shapes, ctx.args.session,
                                                s.out_BN, s.n_out_B, s.done_B)
         sp = sp.replace(cache=sp.cache.rollback(dlen), dlen_B=dlen, pend_BM=pend, n_pend_B=n_pend)
         k_B = self._round_k(s, sp, sp.cache.capacity, self._draft_span(ctx.args))
@@ -475,7 +474,7 @@ class SpeculativeStrategy:
         dcache, drafts, _, k_B, fed = self._draft(ctx, dcache, dl, logits0, k_B, k_draft, None, keep_q=False)
         W = self.width
         shapes = (jax.ShapeDtypeStruct((B, W), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
-        cand, n_cand = jax.pure_callback(_cb_slem_propose, shapes, ctx.args.session, drafts, k_B, fed, s.done_B)
+        cand, n_cand = jax.pure_callback(H.cb_slem_propose, shapes, ctx.args.session, drafts, k_B, fed, s.done_B)
         logits, cache = self._verify_logits(ctx, s, cand, n_cand)
         if self.spec.greedy_only:
             drawn = self._target_greedy(ctx, s, logits, cand)  # [B, W+1]
@@ -496,31 +495,6 @@ def _refeed_if_empty(dlen_B, pend_BM, n_pend_B, prev_B):
     empty = n_pend_B == 0
     pend = pend_BM.at[:, 0].set(jnp.where(empty, prev_B, pend_BM[:, 0]))
     return jnp.where(empty, jnp.maximum(dlen_B - 1, 0), dlen_B), pend, jnp.maximum(n_pend_B, 1)
-
-
-# ----------------------------------------------------------------------------- host callbacks
-def _cb_encode_prompts(prompt_BT, len_B, *, pair: PairMap, width: int):
-    B = prompt_BT.shape[0]
-    out = np.zeros((B, width), np.int32)
-    lens = np.zeros(B, np.int32)
-    anchor = [int(pair.drafter.bos_id)] if pair.drafter.adds_bos else []
-    for b in range(B):
-        ids = Row(pair, np.asarray(prompt_BT[b, : int(len_B[b])]).tolist(), anchor, 0).d_ids[-width:]
-        out[b, : len(ids)] = ids
-        lens[b] = len(ids)
-    return out, lens
-
-
-def _cb_slem_init(sid, prompt_BT, len_B, *, width: int, capacity: int):
-    return get_session(sid).init_rows(np.asarray(prompt_BT), np.asarray(len_B), width, capacity)
-
-
-def _cb_slem_resync(sid, out_BN, n_out_B, done_B, *, M: int):
-    return get_session(sid).resync(np.asarray(out_BN), np.asarray(n_out_B), np.asarray(done_B), M)
-
-
-def _cb_slem_propose(sid, drafts_BK, k_B, fed, done_B):
-    return get_session(sid).propose(np.asarray(drafts_BK), np.asarray(k_B), int(fed), np.asarray(done_B))
 
 
 __all__ = ["SpeculativeStrategy", "SpecState", "SpecStats", "SpecArgs", "FAULTS"]
