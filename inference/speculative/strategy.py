@@ -49,8 +49,10 @@ from pallasite.inference.speculative.vocab import PairMap
 from pallasite.ops.common import round_up
 
 # deliberate breaks for negative controls (unmasked_q: drafts from the grammar-masked q, ratio from the plain q;
-# unsure_draft_dropped: with a confidence threshold, a draft is withdrawn for its own probability q(d) < tau)
-FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q", "psi_prefix", "unsure_draft_dropped")
+# unsure_draft_dropped: with a confidence threshold, a draft is withdrawn for its own probability q(d) < tau;
+# unmerged_q: tli's ratio uses the drafted id's own q where several drafter ids spell its target token)
+FAULTS = ("", "no_renorm", "raw_q", "residual_intersection", "unmasked_q", "psi_prefix", "unsure_draft_dropped",
+          "unmerged_q")
 
 
 @struct.dataclass
