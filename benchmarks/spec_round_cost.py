@@ -22,7 +22,10 @@ CPU) predicts this machine's speed-up at that acceptance, ``1 / (x * c(K))``: a 
 the cost model (it matched the CPU measurements within their noise), not a measurement. ``--narrowed`` also
 times the confidence gate's verify (``lookahead.narrow_call``, one compiled call per width) when
 it runs at width 1 and at K + 1, against the direct calls of those widths: the price of choosing
-the width at run time. Ends with one JSON line.
+the width at run time. Ends with one JSON line. ``--plot PNG`` draws the predicted speed-up
+against a per batch size, with the issue's goal, ``--agreement LOW:HIGH`` (the drafters'
+teacher-forced agreement) as a band, and the measured runs placed at the a their calls per token
+imply (``--measured-speedup B=x,...``: their wall-clock speed-ups).
 """
 
 from __future__ import annotations
@@ -86,18 +89,96 @@ def predicted_speedup(calls_per_token: float, round_cost: float) -> float:
     return 1.0 / (calls_per_token * round_cost)
 
 
-def parse_calls_per_token(spec: str) -> dict:
-    """``"1=0.604,8=0.906"`` -> {1: 0.604, 8: 0.906}."""
+def parse_per_batch(spec: str, flag: str = "--calls-per-token", upper: float | None = 1.0) -> dict:
+    """``"1=0.604,8=0.906"`` -> {1: 0.604, 8: 0.906}; each value in (0, ``upper``] (None: no bound)."""
     out = {}
     for item in filter(None, spec.split(",")):
         b, sep, x = item.partition("=")
         try:
             out[int(b)] = float(x)
         except ValueError:
-            raise SystemExit(f"--calls-per-token {spec!r}: expected BATCH=CALLS_PER_TOKEN pairs, e.g. 1=0.604,8=0.906")
-        if not sep or not 0 < out[int(b)] <= 1:
-            raise SystemExit(f"--calls-per-token {spec!r}: each value must be in (0, 1], got {item!r}")
+            raise SystemExit(f"{flag} {spec!r}: expected BATCH=VALUE pairs, e.g. 1=0.604,8=0.906")
+        if not sep or out[int(b)] <= 0 or (upper is not None and out[int(b)] > upper):
+            bound = f"(0, {upper:g}]" if upper is not None else "> 0"
+            raise SystemExit(f"{flag} {spec!r}: each value must be in {bound}, got {item!r}")
     return out
+
+
+def parse_calls_per_token(spec: str) -> dict:
+    """``"1=0.604,8=0.906"`` -> {1: 0.604, 8: 0.906}."""
+    return parse_per_batch(spec)
+
+
+def acceptance_of(calls_per_token: float, K: int) -> float:
+    """The i.i.d. per-draft acceptance a whose tokens per round, ``tokens_per_round(a, K)``, is
+    ``1 / calls_per_token`` (where a measured run sits on the cost model's a axis)."""
+    goal = 1.0 / calls_per_token
+    if goal >= K + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_round(mid, K) < goal else (lo, mid)
+    return hi
+
+
+def parse_band(spec: str) -> tuple[float, float] | None:
+    """``"0.43:0.47"`` -> (0.43, 0.47); "" -> None."""
+    if not spec:
+        return None
+    try:
+        lo, hi = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise SystemExit(f"--agreement {spec!r}: expected LOW:HIGH acceptances, e.g. 0.43:0.47")
+    if not 0 <= lo <= hi <= 1:
+        raise SystemExit(f"--agreement {spec!r}: expected 0 <= LOW <= HIGH <= 1")
+    return lo, hi
+
+
+GOALS = {1: 1.5, 8: 1.3}  # issue 16's wall-clock goals on CPU, per batch size
+
+
+def plot_cost_model(out: dict, path: str, measured: dict, measured_speedup: dict, band, measured_k: int) -> None:
+    """Predicted speed-up against per-draft acceptance, one panel per batch size: a curve per K
+    from this run's round costs, the issue's goal, the drafters' agreement band, and where the
+    measured runs sit (their calls per token -> a; the prediction and, if given, the measurement)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from e
+    import numpy as np
+
+    batches = out["batches"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    a = np.linspace(0.0, 0.999, 400)
+    for ax, (B, res) in zip(axes[0], batches.items()):
+        for K, row in res["k"].items():
+            cost = row["round_cost_steps"]
+            ax.plot(a, [tokens_per_round(x, K) / cost for x in a], lw=2.2 if K == measured_k else 1.2,
+                    label=f"K={K} (round = {cost:.2f} steps)")
+        ax.axhline(1.0, color="k", lw=0.8)
+        if B in GOALS:
+            ax.axhline(GOALS[B], color="tab:red", ls="--", lw=1, label=f"goal {GOALS[B]}x")
+        if band:
+            ax.axvspan(*band, color="tab:gray", alpha=0.25, label="drafters, teacher-forced agreement")
+        if B in measured and measured_k in res["k"]:
+            x = acceptance_of(measured[B], measured_k)
+            ax.plot([x], [res["predicted_speedup"]["speedup"]], "o", color="tab:blue", mfc="none", ms=8,
+                    label=f"predicted at {measured[B]} calls/token")
+            if B in measured_speedup:
+                ax.plot([x], [measured_speedup[B]], "x", color="k", ms=9, mew=2,
+                        label=f"measured {measured_speedup[B]:.2f}x")
+        ax.set(xlabel="per-draft acceptance a (i.i.d.)", ylabel="speed-up over target-only tokens/s",
+               title=f"batch {B}", xlim=(0, 1), ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"speculative round cost, {out['target']} on {out['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def shape_drafter(target, spec: str):
@@ -145,6 +226,12 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="1,2,3,4", help="draft lengths K (the verify is K + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw the predicted speed-up against per-draft acceptance per batch (and the measured points)")
+    ap.add_argument("--measured-speedup", default="", metavar="B=X,...",
+                    help="wall-clock speed-ups benchmarks/speculative.py measured at --calls-per-token (for --plot)")
+    ap.add_argument("--agreement", default="", metavar="LOW:HIGH",
+                    help="the drafters' teacher-forced agreement, drawn as a band (for --plot)")
     ap.add_argument("--narrowed", action="store_true",
                     help="also time the confidence gate's narrowed verify (lookahead.narrow_call) at K = --measured-k, "
                          "needed width 1 and K + 1, against the direct calls of those widths")
@@ -152,6 +239,8 @@ def main(argv=None):
     if args.drafter and args.drafter_shape:
         raise SystemExit("benchmarks.spec_round_cost: pass --drafter or --drafter-shape, not both")
     measured = parse_calls_per_token(args.calls_per_token)
+    measured_speedup = parse_per_batch(args.measured_speedup, "--measured-speedup", upper=None)
+    band = parse_band(args.agreement)
     ks = [int(k) for k in args.ks.split(",")]
     if measured and args.measured_k not in ks:
         raise SystemExit(f"--measured-k {args.measured_k}: not among --ks {args.ks}")
@@ -203,6 +292,8 @@ def main(argv=None):
             out["batches"][B]["predicted_speedup"] = {"k": args.measured_k, "calls_per_token": measured[B],
                                                       "speedup": round(pred, 3)}
     print(json.dumps(out))
+    if args.plot:
+        plot_cost_model(out, args.plot, measured, measured_speedup, band, args.measured_k)
     return out
 
 

@@ -43,6 +43,35 @@ def test_calls_per_token_flag():
             R.parse_calls_per_token(bad)
 
 
+def test_acceptance_of_places_a_measured_run_on_the_a_axis():
+    for K, a in ((1, 0.3), (3, 0.41), (3, 0.66), (5, 0.8)):
+        assert R.acceptance_of(1 / R.tokens_per_round(a, K), K) == pytest.approx(a, abs=1e-9)
+    assert R.acceptance_of(0.25, 3) == 1.0  # 4 tokens a round at K = 3: every draft accepted
+
+
+def test_plot_flags():
+    assert R.parse_per_batch("1=1.06,8=0.53", "--measured-speedup", upper=None) == {1: 1.06, 8: 0.53}
+    with pytest.raises(SystemExit, match="--measured-speedup '1=-1'"):
+        R.parse_per_batch("1=-1", "--measured-speedup", upper=None)
+    assert R.parse_band("0.43:0.47") == (0.43, 0.47) and R.parse_band("") is None
+    for bad in ("0.47:0.43", "0.4", "a:b", "0.2:1.5"):
+        with pytest.raises(SystemExit, match="--agreement"):
+            R.parse_band(bad)
+
+
+def test_plot_cost_model_draws_each_batch(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = {K: {"round_cost_steps": 1.2 + 0.15 * K} for K in (1, 3)}
+    out = {"target": "t", "device": "cpu", "batches": {
+        1: {"k": rows, "predicted_speedup": {"speedup": 0.9}}, 8: {"k": rows}}}
+    path = tmp_path / "cost.png"
+    R.plot_cost_model(out, str(path), {1: 0.6}, {1: 0.85}, (0.43, 0.47), 3)
+    from PIL import Image
+
+    w, h = Image.open(path).size
+    assert w > 1.8 * h  # two panels side by side
+
+
 def test_flag_errors_are_one_line():
     with pytest.raises(SystemExit, match="--drafter-shape 'two': expected LAYERSxVOCAB"):
         R.shape_drafter(None, "two")
