@@ -4,6 +4,7 @@ flags' errors) and ``benchmarks/spec_layer_skip`` (which target blocks a cut dra
 
 import pytest
 
+from pallasite.benchmarks import spec_feature_heads as H
 from pallasite.benchmarks import spec_layer_skip as L
 from pallasite.benchmarks import spec_round_cost as R
 
@@ -88,3 +89,30 @@ def test_layer_subsets_parse_ranges_steps_and_lists():
         L.parse_subsets("0-30", 30)
     with pytest.raises(SystemExit, match="'a-b' is not a block range"):
         L.parse_subsets("0-1;a-b", 30)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_feature_head_rows_line_up(k):
+    """Row for position i: h_i, the tokens x_{i+1..i+k}, the label greedy_{i+k} (the target's token
+    k + 1 after i); scored rows label exactly the continuation's tokens j in [start, T)."""
+    import numpy as np
+
+    N, T, D, start = 2, 10, 3, 6
+    h = np.arange(N * T * D, dtype=np.float32).reshape(N, T, D)
+    x = np.arange(N * T).reshape(N, T) + 1000
+    greedy = np.arange(N * T).reshape(N, T) + 5000
+    hr, toks, lab = H.head_examples(h, x, greedy, k)
+    assert len(lab) == N * (T - k)
+    for r in (0, T - k - 1, T - k + 3):  # rows of the first window, then of the second
+        n, i = divmod(r, T - k)
+        assert hr[r][0] == h[n, i, 0]
+        assert toks[r].tolist() == [x[n, i + j] for j in range(1, k + 1)]
+        assert lab[r] == greedy[n, i + k]
+    _, _, lab = H.head_examples(h, x, greedy, k, start=start)
+    labelled_j = (lab - 5000) % T + 1  # greedy_{i+k} predicts token i + k + 1
+    assert sorted(set(labelled_j.tolist())) == list(range(start, T))
+
+
+def test_feature_heads_flag_errors():
+    with pytest.raises(SystemExit, match="--steps 0: expected a positive integer"):
+        H.main(["--steps", "0"])
