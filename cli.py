@@ -5,6 +5,7 @@
                        [--top-p 0.9]
                        [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
                        [--drafter PATH --method auto|sd|slem|tli --num-draft-tokens 5]  (speculative)
+                       [--prompt-lookup --num-draft-tokens 3]   (drafts copied from the text, no drafter)
     pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
                        [--max-windows 64]
     pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
@@ -184,9 +185,15 @@ def _cmd_generate(args, overrides):
         if args.kv_cache is None
         else dict(kv_cache=args.kv_cache, kv_cache_config=options.get(args.kv_cache))
     )
+    if args.prompt_lookup and args.drafter:
+        raise InputError("--prompt-lookup copies its drafts from the text itself; it takes no --drafter "
+                         f"(got --drafter {args.drafter})")
+    if args.prompt_lookup:  # prompt lookup decoding (docs/speculative.md)
+        k = 3 if args.num_draft_tokens is None else args.num_draft_tokens
+        cache.update(strategy="lookup", strategy_config={"num_draft_tokens": k})
     if args.drafter:  # speculative decoding (docs/speculative.md)
         cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
-                     strategy_config={"num_draft_tokens": args.num_draft_tokens,
+                     strategy_config={"num_draft_tokens": 5 if args.num_draft_tokens is None else args.num_draft_tokens,
                                       "confidence_threshold": args.draft_confidence,
                                       "confidence_of": args.draft_confidence_of})
     from pallasite.inference.constrained.sugar import cli_options  # --grammar/--json-schema/--regex
@@ -456,8 +463,11 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
             p.add_argument("--drafter", default=None,
                            help="speculative decoding: the drafter model (any tokenizer)")
             p.add_argument("--method", default="auto", choices=("auto", "sd", "slem", "tli", "slrs"))
-            p.add_argument("--num-draft-tokens", type=int, default=5,
-                           help="speculative: draft tokens per round")
+            p.add_argument("--num-draft-tokens", type=int, default=None,
+                           help="speculative: draft tokens per round (default 5; --prompt-lookup: 3)")
+            p.add_argument("--prompt-lookup", action="store_true",
+                           help="prompt lookup decoding: drafts copied from the prompt and the text so far, "
+                                "no drafter model (lossless)")
             p.add_argument("--draft-confidence", type=float, default=None, metavar="TAU",
                            help="speculative (sd/tli/slem): draft only while the drafter's top probability "
                                 "is >= TAU, and verify only what was drafted (faster where a wide verify is dear)")

@@ -35,6 +35,7 @@ BUILTIN_KINDS: dict[str, dict[str, str]] = {
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},
     "decode_strategy": {"sample": "pallasite.inference.engine",
                         "speculative": "pallasite.inference.speculative.build",
+                        "lookup": "pallasite.inference.speculative.lookup",
                         "constrained": "pallasite.inference.constrained.strategy"},
     "loss": {"lm": "pallasite.training.losses.lm", "sft": "pallasite.training.losses.sft",
              "dpo": "pallasite.training.losses.dpo", "overtone": "pallasite.training.losses.overtone"},

@@ -28,6 +28,11 @@ Gemma 3 270M and SmolLM2-135M drafting for each other on four prompts (greedy id
 ``--real-pair`` measures a pair of offline models (or
 ``trained``) on four code/prose prompts: greedy identity and acceptance of tli / slem at K = 1 and
 ``--k``, and the drafter's teacher-forced top-1 agreement with the target's greedy tokens.
+``--methods`` may include ``lookup``: prompt lookup decoding (strategy ``"lookup"``, drafts copied
+from the row's own text, no drafter; ``--lookup-k`` tokens per round), the drafter-free baseline a
+reviewer would set beside a trained drafter (transformers' ``prompt_lookup_num_tokens``); its
+speed-ups are reported as ``speedup_wall_lookup``, apart from ``speedup_wall_b1`` / ``_b8`` (the
+trained drafter's best method).
 ``--json-schema tool|FILE`` constrains every system (target-only included) by a JSON schema on
 tool-call chat prompts (``tool``: a built-in weather-tool schema); sd / tli drafters then draft
 only what the schema allows unless ``--no-mask-drafts``. Ends with one JSON line.
@@ -113,6 +118,8 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
         return [E.generate_ids(g, st, cfg, prompts, base_gen, model=target) for prompts in prompt_batches]
 
     def make_spec(system):
+        if system == LOOKUP:  # prompt lookup decoding: drafts copied from the row's text, no drafter
+            return make_lookup()
         method, options = system_config(system, num_draft_tokens=args.k, schedule=args.schedule,
                                         mask_drafts=not args.no_mask_drafts, max_spelling=args.max_spelling)
         gen = base_gen.replace(drafter=d, method=method, strategy="speculative", strategy_config=options)
@@ -121,6 +128,21 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
             out = []
             for prompts in prompt_batches:
                 strategy, sargs = build_speculative(gen, len(prompts))
+                s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
+                                 model=target)
+                out.append((E.results(s), stats_of(s)))
+            return out
+        return run
+
+    def make_lookup():
+        from pallasite.registry import DECODE_STRATEGY
+
+        gen = base_gen.replace(strategy=LOOKUP, strategy_config={"num_draft_tokens": args.lookup_k or args.k})
+
+        def run():
+            out = []
+            for prompts in prompt_batches:
+                strategy, sargs = DECODE_STRATEGY.get(LOOKUP)(gen, len(prompts))
                 s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
                                  model=target)
                 out.append((E.results(s), stats_of(s)))
@@ -316,6 +338,9 @@ def real_pair_acceptance(args, new_tokens: int = 24) -> dict:
     return out
 
 
+LOOKUP = "lookup"  # a --methods entry that is not a drafter method: prompt lookup decoding (strategy "lookup")
+
+
 def system_config(system: str, **options) -> tuple:
     """(method, strategy_config) of a ``--methods`` entry: METHOD, or METHOD@TAU for the method with
     ``confidence_threshold`` TAU."""
@@ -333,6 +358,8 @@ def check_systems(text: str) -> list:
 
     systems = [m for m in text.split(",") if m]
     for system in systems:
+        if system == LOOKUP:
+            continue
         try:
             method, options = system_config(system)
             check_method(method, field="--methods")
@@ -362,6 +389,8 @@ def main(argv=None):
                     help="speculative systems, comma-separated; METHOD@TAU drafts only while the drafter's top "
                          "probability is >= TAU (SpeculativeConfig.confidence_threshold), METHOD@pTAU while the "
                          "product of the round's top probabilities is (confidence_of='prefix'), e.g. tli,tli@0.4")
+    ap.add_argument("--lookup-k", type=int, default=0,
+                    help="the 'lookup' system's (prompt lookup decoding, no drafter) tokens per round (0: --k)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-offset", type=int, default=0,
                     help="skip this many held-out prompts (choose settings on other prompts than those reported)")
@@ -399,6 +428,11 @@ def main(argv=None):
                     help="--real-pair: sample at this temperature (acceptance of sampled tli / slem)")
     args = ap.parse_args(argv)
     methods = check_systems(args.methods)  # before any drafter is trained
+    if LOOKUP in methods and (args.json_schema or args.real_pair):
+        raise SystemExit("benchmarks.speculative: --methods lookup (prompt lookup decoding) takes no --json-schema "
+                         "or --real-pair")
+    if args.lookup_k < 0:
+        raise SystemExit(f"benchmarks.speculative: --lookup-k {args.lookup_k}: expected an integer >= 0")
     if args.real_pair:
         return real_pair(args, methods)
     if args.quick:
@@ -453,7 +487,9 @@ def main(argv=None):
             print(f"{B:>3} {name:>8} {r['tok_s']:>8.1f} {r.get('speedup', 1.0):>8.2f} "
                   f"{str(r.get('identical', '')):>9} {r.get('acceptance', nan):>7.2f} "
                   f"{r.get('calls_per_token', nan):>9.2f}", flush=True)
-    best = {B: max((results[B][m]["speedup"], m) for m in methods) for B in batches}
+    # speedup_wall_*: the trained drafter's methods; prompt lookup (no drafter) is reported beside them
+    drafted = [m for m in methods if m != LOOKUP]
+    best = {B: max((results[B][m]["speedup"], m) for m in drafted) for B in batches} if drafted else {}
     out = {
         "bench": "speculative", "target": target_name, "k": args.k, "new_tokens": args.new_tokens,
         "greedy_identical": all(results[B][m]["identical"] for B in batches for m in methods),
@@ -462,7 +498,9 @@ def main(argv=None):
         "acceptance": {f"{m}_b{B}": round(results[B][m]["acceptance"], 3) for B in batches for m in methods},
         "speedup_wall_b1": round(best[1][0], 3) if 1 in best else None,
         "speedup_wall_b8": round(best[8][0], 3) if 8 in best else None,
-        "best_method": {f"b{B}": best[B][1] for B in batches},
+        "best_method": {f"b{B}": best[B][1] for B in best},
+        "speedup_wall_lookup": ({f"b{B}": round(results[B][LOOKUP]["speedup"], 3) for B in batches}
+                                if LOOKUP in methods else None),
         "teacher_forced_b1": teacher_forced,
         "acceptance_real_pair": real_pair_acceptance(args) if args.quick else None,
         "json_schema": args.json_schema, "mask_drafts": bool(constraint) and not args.no_mask_drafts,

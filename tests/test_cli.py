@@ -139,6 +139,16 @@ USER_ERRORS = [
         ["confidence_threshold", "(0, 1]", "2.0"],
     ),
     (
+        "lookup draft tokens",
+        ["generate", "--model", "{m}", "--prompt", "x", "--prompt-lookup", "--num-draft-tokens", "0"],
+        ["num_draft_tokens", ">= 1", "0"],
+    ),
+    (
+        "lookup with a drafter",
+        ["generate", "--model", "{m}", "--prompt", "x", "--prompt-lookup", "--drafter", "{m}"],
+        ["--prompt-lookup", "no --drafter"],
+    ),
+    (
         "long prompt",
         ["generate", "--model", "{m}", "--prompt", "x = 1\n" * 200],
         ["context of 64 tokens"],
@@ -310,4 +320,14 @@ def test_generate_with_a_confident_drafter_prints_the_targets_text(tiny_model, c
     cli.main(base)
     want = capsys.readouterr().out
     cli.main(base + ["--drafter", str(tiny_model / "hf"), "--draft-confidence", "0.3"])
+    assert capsys.readouterr().out == want
+
+
+def test_generate_with_prompt_lookup_prints_the_targets_text(tiny_model, capsys):
+    """--prompt-lookup (drafts copied from the text, no drafter): the target's own greedy text."""
+    base = ["generate", "--model", str(tiny_model / "hf"), "--prompt", "x = x + 1\nx = x + 1\nx = x",
+            "--max-new-tokens", "12"]
+    cli.main(base)
+    want = capsys.readouterr().out
+    cli.main(base + ["--prompt-lookup"])
     assert capsys.readouterr().out == want

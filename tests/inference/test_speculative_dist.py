@@ -177,6 +177,38 @@ def test_negative_controls_fail_the_g_test(pair, char_drafter, fault, temperatur
     assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
 
 
+# copies of this prompt's tokens are often among the random target's top 3 (at "ab cab" they never are)
+LOOKUP_PROMPT = [7, 4, 8, 6, 8, 4, 4, 3]
+
+
+@pytest.mark.parametrize("fault,temperature,top_k", [("", 1.0, None), ("", 0.7, 3), ("first_draft_free", 1.0, None)])
+def test_prompt_lookup_is_lossless(pair, fault, temperature, top_k):
+    """Prompt lookup decoding (strategy "lookup", drafts copied from the row's text: a point-mass
+    q): the target's law at T = 1 and at T = 0.7 top-k 3; emitting the first copied draft without
+    the target's test (fault ``first_draft_free``) must fail."""
+    from pallasite.inference.speculative import stats_of
+    from pallasite.inference.speculative.lookup import build_lookup
+
+    tcfg, tg, tst = pair[0]
+    prompt = LOOKUP_PROMPT
+    gen = GenerationConfig(max_new_tokens=N_NEW, stop_tokens=(), temperature=temperature, top_k=top_k,
+                           strategy="lookup", strategy_config={"num_draft_tokens": 2})
+    strategy, args = build_lookup(gen, RUNS)
+    strategy = dataclasses.replace(strategy, fault=fault)
+    s = jax.block_until_ready(E.run_decode(tg, tst, tcfg, [prompt] * RUNS, gen, strategy=strategy, args=args,
+                                           key=jax.random.key(7)))
+    st = stats_of(s)
+    assert st["drafted"] > RUNS // 2 and 0 < st["accepted"] <= st["drafted"], st
+    assert fault or st["accepted"] < st["drafted"]  # drafts were accepted and rejected
+    g, df, pval = g_stat(outcome_counts([s], tcfg.vocab_size), exact_distribution(pair[0], prompt, temperature, top_k))
+    print(f"lookup {fault or 'exact'} T={temperature} top_k={top_k}: G = {g:.1f}, df = {df}, p = {pval:.3g}, "
+          f"acceptance {st['acceptance_rate']:.3f}")
+    if fault:
+        assert pval < 1e-6, f"negative control {fault} passed the G-test (G = {g:.1f}, df = {df}, p = {pval:.3g})"
+    else:
+        assert pval > 0.01, f"lookup T={temperature} top_k={top_k}: G = {g:.1f}, df = {df}, p = {pval:.3g}"
+
+
 @pytest.fixture(scope="module")
 def merged_pair(pair):
     """``pair``'s target with a drafter whose vocabulary spells the target's "Ġ" twice ("▁" and " ")."""
