@@ -144,3 +144,27 @@ def test_generate_and_bad_options(target):
         GenerationConfig(strategy="lookup", strategy_config={"num_draft_tokens": 0})
     with pytest.raises(ConfigError, match="constraint"):
         build_lookup(GenerationConfig(strategy="lookup", constraint={"kind": "regex", "spec": "a+"}), 1)
+
+
+@pytest.mark.parametrize("kind", ["kv4", "catekv"])
+def test_cache_kinds_roll_back(target, tmp_path, kind):
+    """On a kv4 / CateKV cache (CateKV: prompts longer than its budget, so entries are dropped):
+    identical to target-only greedy decoding on the same cache kind; the verify writes past the
+    accepted tokens, which the next round overwrites."""
+    from pallasite.inference.cache.catekv_mask import save_head_mask
+
+    tc, tg, ts, tok = target
+    opts = None
+    if kind == "catekv":
+        mask = np.zeros((tc.n_layers, tc.n_kv_heads), bool)
+        mask[:, 0] = True  # one adaptive (full) head per layer, the other keeps a budget
+        opts = dict(head_mask=save_head_mask(str(tmp_path / "mask.json"), mask, tc), budget=40, init_tokens=8,
+                    recent_tokens=16, chunk_size=4, last_q=8, tail_tokens=8)
+    lo, hi = (48, 64) if kind == "catekv" else (3, 12)
+    prompts = F.prompts_from(tok, 24, seed=9, lo=lo, hi=hi)
+    base = GenerationConfig(max_new_tokens=40, stop_tokens=(), kv_cache=kind, kv_cache_config=opts)
+    want = E.generate_ids(tg, ts, tc, prompts, base)
+    s = _run(target, prompts, base.replace(strategy="lookup"))
+    assert E.results(s) == want
+    assert stats_of(s)["accepted"] > 0
+    assert type(s.cache).__name__.lower().startswith(kind)
