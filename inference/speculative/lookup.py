@@ -157,6 +157,9 @@ class LookupStrategy:
 def build_lookup(gen, n_prompts: int):
     """(LookupStrategy, per-row SamplingParams) for a ``GenerationConfig`` with strategy='lookup'."""
     cfg: LookupConfig = gen.strategy_config or LookupConfig()
+    if gen.drafter is not None:
+        raise ConfigError("strategy='lookup' copies its drafts from the text itself and takes no drafter; for a "
+                          "drafter model leave strategy unset (speculative decoding)")
     if gen.logits_processors:
         raise ConfigError("strategy='lookup' does not take logits_processors (they see one position at a time)")
     if gen.constraint is not None:

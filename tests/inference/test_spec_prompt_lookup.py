@@ -142,6 +142,8 @@ def test_generate_and_bad_options(target):
         LookupConfig(max_ngram=2, min_ngram=3)
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         GenerationConfig(strategy="lookup", strategy_config={"num_draft_tokens": 0})
+    with pytest.raises(ConfigError, match="no drafter"):
+        pallasite.generate(model, text, max_new_tokens=4, strategy="lookup", drafter=model)
     with pytest.raises(ConfigError, match="constraint"):
         build_lookup(GenerationConfig(strategy="lookup", constraint={"kind": "regex", "spec": "a+"}), 1)
 
