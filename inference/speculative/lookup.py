@@ -16,7 +16,8 @@ in tests/inference/test_speculative_dist.py, with a negative control that must f
 
 Deviations from transformers: the most recent occurrence instead of the first, the periodic
 continuation, min_ngram 1 (vLLM's default) and K = 3 by default (transformers: 10; on CPU a wide
-verify is dear, docs/speculative.md); drafts never run past ``max_new_tokens``.
+verify is dear, docs/speculative.md); drafts never run past ``max_new_tokens``; no constraints,
+logits processors or drafter (each refused with a ``ConfigError``).
 """
 
 from __future__ import annotations
