@@ -105,7 +105,6 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
     from pallasite.inference import engine as E
     from pallasite.inference.config import GenerationConfig
     from pallasite.inference.speculative import Drafter, stats_of
-    from pallasite.inference.speculative.build import build_speculative
 
     cfg, g, st = target.config, target.graphdef, target.state
     eos = tuple(cfg.eos_token_id or ())
@@ -117,37 +116,28 @@ def bench_batch(target, drafter, prompt_batches, args, methods, constraint=None)
     def run_base():  # model=: a cache kind's files (e.g. kv4 transforms) resolve against the model folder
         return [E.generate_ids(g, st, cfg, prompts, base_gen, model=target) for prompts in prompt_batches]
 
-    def make_spec(system):
-        if system == LOOKUP:  # prompt lookup decoding: drafts copied from the row's text, no drafter
-            return make_lookup()
-        method, options = system_config(system, num_draft_tokens=args.k, schedule=args.schedule,
-                                        mask_drafts=not args.no_mask_drafts, max_spelling=args.max_spelling)
-        gen = base_gen.replace(drafter=d, method=method, strategy="speculative", strategy_config=options)
-
-        def run():  # built per call: a constraint's host session follows one generation
-            out = []
-            for prompts in prompt_batches:
-                strategy, sargs = build_speculative(gen, len(prompts))
-                s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
-                                 model=target)
-                out.append((E.results(s), stats_of(s)))
-            return out
-        return run
-
-    def make_lookup():
+    def runner(gen):
+        """run(): every prompt batch through ``gen``'s decode strategy, built per call (a
+        constraint's host session follows one generation)."""
         from pallasite.registry import DECODE_STRATEGY
-
-        gen = base_gen.replace(strategy=LOOKUP, strategy_config={"num_draft_tokens": args.lookup_k or args.k})
 
         def run():
             out = []
             for prompts in prompt_batches:
-                strategy, sargs = DECODE_STRATEGY.get(LOOKUP)(gen, len(prompts))
+                strategy, sargs = DECODE_STRATEGY.get(gen.strategy)(gen, len(prompts))
                 s = E.run_decode(g, st, cfg, prompts, gen, strategy=strategy, args=sargs, key=jax.random.key(0),
                                  model=target)
                 out.append((E.results(s), stats_of(s)))
             return out
         return run
+
+    def make_spec(system):
+        if system == LOOKUP:  # prompt lookup decoding: drafts copied from the row's text, no drafter
+            return runner(base_gen.replace(strategy=LOOKUP,
+                                           strategy_config={"num_draft_tokens": args.lookup_k or args.k}))
+        method, options = system_config(system, num_draft_tokens=args.k, schedule=args.schedule,
+                                        mask_drafts=not args.no_mask_drafts, max_spelling=args.max_spelling)
+        return runner(base_gen.replace(drafter=d, method=method, strategy="speculative", strategy_config=options))
 
     systems = {"target": run_base, **{m: make_spec(m) for m in methods}}
     outs, best = {}, {k: float("inf") for k in systems}

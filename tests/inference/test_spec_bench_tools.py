@@ -116,3 +116,15 @@ def test_feature_head_rows_line_up(k):
 def test_feature_heads_flag_errors():
     with pytest.raises(SystemExit, match="--steps 0: expected a positive integer"):
         H.main(["--steps", "0"])
+
+
+def test_speculative_systems_include_prompt_lookup():
+    from pallasite.benchmarks import speculative as S
+
+    assert S.check_systems("tli@0.7,lookup") == ["tli@0.7", "lookup"]
+    with pytest.raises(SystemExit, match="'look'"):
+        S.check_systems("tli,look")
+    with pytest.raises(SystemExit, match="--lookup-k -1: expected an integer >= 0"):
+        S.main(["--methods", "lookup", "--lookup-k", "-1"])
+    with pytest.raises(SystemExit, match="takes no --json-schema"):
+        S.main(["--methods", "tli,lookup", "--json-schema", "tool"])
