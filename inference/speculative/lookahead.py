@@ -82,4 +82,15 @@ def narrow_call(call, cache, tokens_BT: jax.Array, positions_BT: jax.Array, need
     return logits, cache
 
 
-__all__ = ["top_probability", "verify_widths", "narrow_call"]
+def verify_call(ctx, s, cand_BK, needed=None):
+    """One target call over the row's last token and its candidates: (logits [B, K+1, V], cache).
+    ``needed`` (a traced width): run only that many positions (``lookahead.narrow_call``; the rest
+    are zeros, which no row reads)."""
+    tokens = jnp.concatenate([s.last_tokens_B[:, None], cand_BK], axis=1)
+    positions = s.next_positions_B[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    if needed is None:
+        return ctx.model(s.cache, tokens, positions)
+    return narrow_call(ctx.model, s.cache, tokens, positions, needed, verify_widths(tokens.shape[1] - 1))
+
+
+__all__ = ["top_probability", "verify_widths", "narrow_call", "verify_call"]

@@ -15,8 +15,8 @@ min(1, p/q), and the emitted tokens are distributed exactly as target-only sampl
 in tests/inference/test_speculative_dist.py, with a negative control that must fail).
 
 Deviations from transformers: the most recent occurrence instead of the first, the periodic
-continuation, min_ngram 1 (vLLM's default) and K = 3 by default (transformers: 10; on CPU a wide
-verify is dear, docs/speculative.md); drafts never run past ``max_new_tokens``; no constraints,
+continuation, max_ngram 3 (transformers' max_matching_ngram_size: 2) and K = 3 by default
+(transformers' num_output_tokens: 10; on CPU a wide verify is dear, docs/speculative.md); drafts never run past ``max_new_tokens``; no constraints,
 logits processors or drafter (each refused with a ``ConfigError``).
 """
 
@@ -32,7 +32,7 @@ from pallasite.errors import ConfigError
 from pallasite.inference.sampling import SamplingParams, SamplingSpec
 from pallasite.inference.speculative import lookahead as LA
 from pallasite.inference.speculative import probs as P
-from pallasite.inference.speculative.strategy import SpecStats
+from pallasite.inference.speculative.strategy import SpecStats, emit_verified
 from pallasite.registry import DECODE_STRATEGY
 
 # deliberate break for the negative control: the first draft is emitted without the target's test (biased)
@@ -65,14 +65,15 @@ class LookupConfig:
 class LookupState:
     """``DecodeState.extra`` of the lookup strategy."""
 
-    prompt_BL: jax.Array  # int32 [B, T + N]: the right-padded prompts (the emitted tokens are read from out_BN)
+    prompt_BT: jax.Array  # int32 [B, T]: the right-padded prompts (the emitted tokens are read from out_BN)
     stats: SpecStats
 
 
-def row_text(prompt_BL: jax.Array, prompt_len_B: jax.Array, out_BN: jax.Array) -> jax.Array:
+def row_text(prompt_BT: jax.Array, prompt_len_B: jax.Array, out_BN: jax.Array) -> jax.Array:
     """int32 [B, T + N]: each row's prompt followed by its emitted tokens (junk past its length)."""
-    L, N = prompt_BL.shape[1], out_BN.shape[1]
-    pos = jnp.arange(L, dtype=jnp.int32)[None, :]
+    N = out_BN.shape[1]
+    prompt_BL = jnp.pad(prompt_BT, ((0, 0), (0, N)))
+    pos = jnp.arange(prompt_BL.shape[1], dtype=jnp.int32)[None, :]
     from_out = jnp.take_along_axis(out_BN, jnp.clip(pos - prompt_len_B[:, None], 0, N - 1), axis=1)
     return jnp.where(pos < prompt_len_B[:, None], prompt_BL, from_out)
 
@@ -118,41 +119,30 @@ class LookupStrategy:
         return P.draw(key, p).reshape(B, T)
 
     def init(self, ctx, s, prefill_logits_BV):
-        B, T = ctx.prompt_BT.shape
-        N = s.out_BN.shape[1]
+        B = ctx.prompt_BT.shape[0]
         key, k_first = jax.random.split(s.key)
         y0 = self._draw(ctx, k_first, prefill_logits_BV[:, None])[:, 0]
         s = ctx.emit(s.replace(key=key, cache=s.cache.for_appending()), y0[:, None], jnp.ones_like(y0))
-        zeros = jnp.zeros((B,), jnp.int32)
-        prompt = jnp.pad(ctx.prompt_BT.astype(jnp.int32), ((0, 0), (0, N)))
-        return s.replace(extra=LookupState(prompt, SpecStats(jnp.int32(1), jnp.int32(0), zeros, zeros, zeros)))
+        return s.replace(extra=LookupState(ctx.prompt_BT.astype(jnp.int32), SpecStats.start(B)))
 
     def step(self, ctx, s):
         ex = s.extra
         key, k_draw = jax.random.split(s.key)
         N = s.out_BN.shape[1]
         length = s.prompt_len_B + s.n_out_B
-        drafts, found = propose(row_text(ex.prompt_BL, s.prompt_len_B, s.out_BN), length, self.k, self.max_ngram,
+        drafts, found = propose(row_text(ex.prompt_BT, s.prompt_len_B, s.out_BN), length, self.k, self.max_ngram,
                                 self.min_ngram)
         active = ~s.done_B
         # never draft past max_new_tokens: the row's last token comes from the target anyway
         n_draft = jnp.where(found & active, jnp.clip(N - s.n_out_B - 1, 0, self.k), 0)
-        tokens = jnp.concatenate([s.last_tokens_B[:, None], drafts], axis=1)
-        positions = s.next_positions_B[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)[None, :]
-        logits, cache = LA.narrow_call(ctx.model, s.cache, tokens, positions, jnp.max(n_draft) + 1,
-                                       LA.verify_widths(self.k))
+        logits, cache = LA.verify_call(ctx, s, drafts, jnp.max(n_draft) + 1)
         y = self._draw(ctx, k_draw, logits)  # [B, K + 1]
         n = P.exact_match(drafts, n_draft, y)
         if self.fault == "first_draft_free":
             n = jnp.where(n_draft > 0, jnp.maximum(n, 1), n)
-            y = jnp.where((jnp.arange(self.k + 1)[None, :] == 0) & (n_draft > 0)[:, None], tokens[:, 1:2], y)
-        s = ctx.emit(s.replace(cache=cache, key=key), y, n + 1)
-        s = s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
-        a = active.astype(jnp.int32)
-        st = ex.stats
-        stats = SpecStats(st.target_calls + 1, st.drafter_calls, st.rounds_B + a, st.drafted_B + a * n_draft,
-                          st.accepted_B + a * n)
-        return s.replace(extra=ex.replace(stats=stats))
+            y = y.at[:, 0].set(jnp.where(n_draft > 0, drafts[:, 0], y[:, 0]))
+        s = emit_verified(ctx, s.replace(key=key), cache, y, n + 1)
+        return s.replace(extra=ex.replace(stats=ex.stats.count_round(active, 0, n_draft, n)))
 
 
 def build_lookup(gen, n_prompts: int):

@@ -63,6 +63,18 @@ class SpecStats:
     drafted_B: jax.Array  # int32 [B]: draft tokens proposed (target tokens)
     accepted_B: jax.Array  # int32 [B]: draft tokens accepted
 
+    @classmethod
+    def start(cls, B: int) -> "SpecStats":
+        """The counters after the prefill (one target call)."""
+        zeros = jnp.zeros((B,), jnp.int32)
+        return cls(jnp.int32(1), jnp.int32(0), zeros, zeros, zeros)
+
+    def count_round(self, active_B, drafter_calls, drafted_B, accepted_B) -> "SpecStats":
+        """One more verification round (one target call); per-row counts only for active rows."""
+        a = active_B.astype(jnp.int32)
+        return SpecStats(self.target_calls + 1, self.drafter_calls + drafter_calls, self.rounds_B + a,
+                         self.drafted_B + a * drafted_B, self.accepted_B + a * accepted_B)
+
 
 @struct.dataclass
 class SpecState:
@@ -203,7 +215,7 @@ class SpeculativeStrategy:
         dcache = D.create_cache(cfg, self.drafter_cache_kind, self.drafter_cache_config, B, Sd, self.drafter_path)
         dcache = D.prefill(self.drafter_graphdef, ctx.args.drafter_state, dcache, d_prompt, d_len)
         zeros = jnp.zeros((B,), jnp.int32)
-        stats = SpecStats(jnp.int32(1), jnp.int32(0), zeros, zeros, zeros)
+        stats = SpecStats.start(B)
         d2t, t2d, t2d_len = self._tables(ctx.args, cfg.vocab_size, V_T)
         extra = SpecState(dcache, d_len, jnp.zeros((B, M), jnp.int32), zeros,
                           jnp.full((B,), self.k_init, jnp.int32), stats, d2t, t2d, t2d_len)
@@ -341,11 +353,6 @@ class SpeculativeStrategy:
         new = jnp.where(n_B == proposed_B, jnp.minimum(k_B + 2, self.k_max), jnp.maximum(k_B - 1, 1))
         return jnp.where(active_B & (proposed_B > 0), new, k_B)
 
-    def _stats(self, st: SpecStats, active_B, drafter_calls, drafted_B, accepted_B) -> SpecStats:
-        a = active_B.astype(jnp.int32)
-        return SpecStats(st.target_calls + 1, st.drafter_calls + drafter_calls, st.rounds_B + a,
-                         st.drafted_B + a * drafted_B, st.accepted_B + a * accepted_B)
-
     # ------------------------------------------------------------------ one round
     def step(self, ctx, s):
         if self.method == "slem":
@@ -354,18 +361,8 @@ class SpeculativeStrategy:
 
     def _verify_logits(self, ctx, s, cand_BK, n_cand_B):
         """The target's logits [B, K+1, V_T] after the last token and the candidates. With
-        ``confidence`` the call is only as wide as the longest row's candidates + 1 (the rest of the
-        positions are zeros: no row reads them)."""
-        tokens = jnp.concatenate([s.last_tokens_B[:, None], cand_BK], axis=1)
-        positions = s.next_positions_B[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        if self.confidence is None:
-            return ctx.model(s.cache, tokens, positions)
-        return LA.narrow_call(ctx.model, s.cache, tokens, positions, jnp.max(n_cand_B) + 1,
-                              LA.verify_widths(tokens.shape[1] - 1))
-
-    def _finish(self, ctx, s, cache, tokens_BK1, n_new_B):
-        s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
-        return s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
+        ``confidence`` the call is only as wide as the longest row's candidates + 1."""
+        return LA.verify_call(ctx, s, cand_BK, None if self.confidence is None else jnp.max(n_cand_B) + 1)
 
     def _merges_spellings(self) -> bool:
         """tli where several drafter tokens spell one target token (``PairMap.n_merged``); the
@@ -434,7 +431,7 @@ class SpeculativeStrategy:
             n = P.exact_match(cand, k_B, out)
         else:
             n, out = self._verify_sampled(ctx, s, logits, cand, drafts, qv, k_B, d2t, k_acc, k_res)
-        s = self._finish(ctx, s.replace(key=key), cache, out, n + 1)
+        s = emit_verified(ctx, s.replace(key=key), cache, out, n + 1)
         y = D.take_positions(out, n)  # the target's own token after the accepted prefix
         # the drafter: its verified context grows by the accepted drafts it was fed, then the rest
         kept = jnp.minimum(n, fed)
@@ -455,7 +452,7 @@ class SpeculativeStrategy:
         new_dl, pend, n_pend = _refeed_if_empty(dl + grown, pend, n_pend, prev)
         dcache = dcache.rollback(new_dl)
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        stats = self._stats(sp.stats, active, calls, k_B, n)
+        stats = sp.stats.count_round(active, calls, k_B, n)
         return s.replace(extra=sp.replace(
             cache=dcache, dlen_B=keep(new_dl, sp.dlen_B), pend_BM=keep(pend, sp.pend_BM),
             n_pend_B=keep(n_pend, sp.n_pend_B), k_B=self._schedule(sp.k_B, n, k_B, active), stats=stats))
@@ -485,10 +482,16 @@ class SpeculativeStrategy:
             Bp, T1, V = p.shape
             drawn = P.draw(k_tgt, p.reshape(Bp * T1, V)).reshape(Bp, T1)
         n = P.exact_match(cand, n_cand, drawn)
-        s = self._finish(ctx, s.replace(key=key), cache, drawn, n + 1)
-        stats = self._stats(sp.stats, active, fed + 1, n_cand, n)
+        s = emit_verified(ctx, s.replace(key=key), cache, drawn, n + 1)
+        stats = sp.stats.count_round(active, fed + 1, n_cand, n)
         extra = sp.replace(cache=dcache, dlen_B=dl, k_B=self._schedule(sp.k_B, n, n_cand, active), stats=stats)
         return s.replace(extra=extra)
+
+
+def emit_verified(ctx, s, cache, tokens_BK1, n_new_B):
+    """Emit each row's first ``n_new_B`` verified tokens and roll the target's cache back to them."""
+    s = ctx.emit(s.replace(cache=cache), tokens_BK1, n_new_B)
+    return s.replace(cache=s.cache.rollback(s.next_positions_B))  # valid: positions < next fed
 
 
 def _refeed_if_empty(dlen_B, pend_BM, n_pend_B, prev_B):

@@ -9,10 +9,6 @@
 * The sampled law (G-test with a negative control) is in test_speculative_dist.py.
 """
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,18 +20,8 @@ from pallasite.inference.config import GenerationConfig
 from pallasite.inference.speculative import stats_of
 from pallasite.inference.speculative.lookup import LookupConfig, build_lookup, propose
 
+from . import spec_fixtures as F
 
-def _fixtures():
-    if "spec_fixtures" not in sys.modules:  # a helper beside this file (tests is no package)
-        path = pathlib.Path(__file__).with_name("spec_fixtures.py")
-        spec = importlib.util.spec_from_file_location("spec_fixtures", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["spec_fixtures"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["spec_fixtures"]
-
-
-F = _fixtures()
 STOP = 3  # target token "c" (as in test_speculative.py): rows reach it after different numbers of tokens
 
 
