@@ -16,8 +16,9 @@ in tests/inference/test_speculative_dist.py, with a negative control that must f
 
 Deviations from transformers: the most recent occurrence instead of the first, the periodic
 continuation, max_ngram 3 (transformers' max_matching_ngram_size: 2) and K = 3 by default
-(transformers' num_output_tokens: 10; on CPU a wide verify is dear, docs/speculative.md); drafts never run past ``max_new_tokens``; no constraints,
-logits processors or drafter (each refused with a ``ConfigError``).
+(transformers' num_output_tokens: 10; on CPU a wide verify is dear, docs/speculative.md); drafts
+never run past ``max_new_tokens``; no constraints, logits processors or drafter (each refused with
+a ``ConfigError``).
 """
 
 from __future__ import annotations
