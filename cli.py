@@ -6,6 +6,7 @@
                        [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
                        [--drafter PATH --method auto|sd|slem|tli --num-draft-tokens 5]  (speculative)
                        [--prompt-lookup --num-draft-tokens 3]   (drafts copied from the text, no drafter)
+                       [--cpu-panels]   (float32 linears through the few-row XLA:CPU kernel, ops.panels)
     pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
                        [--max-windows 64]
     pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
@@ -146,6 +147,10 @@ def _cmd_generate(args, overrides):
     model = _load_for_inference(args)
     if model.tokenizer is None:
         raise InputError(f"{args.model!r} has no tokenizer; cannot take a text prompt")
+    if args.cpu_panels:  # the few-row XLA:CPU kernel (ops.panels), for the drafter too
+        from pallasite.models.panel_linear import with_panels
+
+        model = with_panels(model)
     prompt = args.prompt
     if args.chat:
         if not getattr(model.tokenizer, "chat_template", None):
@@ -192,7 +197,10 @@ def _cmd_generate(args, overrides):
         k = 3 if args.num_draft_tokens is None else args.num_draft_tokens
         cache.update(strategy="lookup", strategy_config={"num_draft_tokens": k})
     if args.drafter:  # speculative decoding (docs/speculative.md)
-        cache.update(drafter=pallasite.load(args.drafter, dtype=args.dtype), method=args.method,
+        drafter = pallasite.load(args.drafter, dtype=args.dtype)
+        if args.cpu_panels:
+            drafter = with_panels(drafter)
+        cache.update(drafter=drafter, method=args.method,
                      strategy_config={"num_draft_tokens": 5 if args.num_draft_tokens is None else args.num_draft_tokens,
                                       "confidence_threshold": args.draft_confidence,
                                       "confidence_of": args.draft_confidence_of})
@@ -468,6 +476,9 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
             p.add_argument("--prompt-lookup", action="store_true",
                            help="prompt lookup decoding: drafts copied from the prompt and the text so far, "
                                 "no drafter model (lossless)")
+            p.add_argument("--cpu-panels", action="store_true",
+                           help="run the float32 linears through ops.panels, a few-row XLA:CPU kernel (faster "
+                                "decoding and speculative verifies on CPU; same numbers up to rounding)")
             p.add_argument("--draft-confidence", type=float, default=None, metavar="TAU",
                            help="speculative (sd/tli/slem): draft only while the drafter's top probability "
                                 "is >= TAU, and verify only what was drafted (faster where a wide verify is dear)")

@@ -29,7 +29,7 @@ from pallasite.errors import ConfigError, UserError
 BUILTIN_KINDS: dict[str, dict[str, str]] = {
     "ffn": {"dense": "pallasite.models.ffn", "moe": "pallasite.models.moe", "mole": "pallasite.models.mole"},
     "linear": {"float": "pallasite.models.layers", "w4a4": "pallasite.models.quantized",
-               "fp4": "pallasite.models.fp4"},
+               "fp4": "pallasite.models.fp4", "panels": "pallasite.models.panel_linear"},
     "kv_cache": {"dense": "pallasite.inference.cache.dense", "kv4": "pallasite.inference.cache.kv4",
                  "catekv": "pallasite.inference.cache.catekv"},
     "attention": {"ref": "pallasite.ops.attention", "pallas": "pallasite.ops.attention"},

@@ -686,6 +686,9 @@ def main(argv=None):
                     help="random weights of the model's shape instead of the GGUF (named in the output)")
     ap.add_argument("--torch-static", choices=("on", "off"), default="on",
                     help="also time transformers' static cache with torch.compile (default on)")
+    ap.add_argument("--panels", action="store_true",
+                    help="float32: also time pallasite with the panels linear kind (ops.panels, the few-row "
+                         "XLA:CPU kernel) in the same interleaved runs")
     ap.add_argument("--bw-bytes", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None,
                     help="llama3-8b-shape only: keep this many of its 32 layers (memory; named in the output)")
@@ -750,6 +753,10 @@ def main(argv=None):
             prompts = prompts_by_batch[B]
             runners = {}
             runners["pallasite"], ours_first = pallasite_runner(cfg_d, state_d, prompts, n_new)
+            if args.panels and dtype == "float32":
+                from pallasite.models.panel_linear import to_panels
+
+                runners["pallasite_panels"], _ = pallasite_runner(*to_panels(cfg_d, state_d), prompts, n_new)
             if torch_model is not None:
                 for impl in cache_impls:
                     runners[f"torch_{impl}"], _ = torch_runner(torch_model, prompts, n_new, torch_device,
@@ -758,6 +765,9 @@ def main(argv=None):
             tokens = B * n_new
             ours_tps, ours_out = tokens / timed["pallasite"][0], timed["pallasite"][1]
             row = dict(dtype=dtype, batch=B, ours=ours_tps, ours_first_s=ours_first)
+            if "pallasite_panels" in timed:
+                row["panels"] = tokens / timed["pallasite_panels"][0]
+                row["panels_same_tokens"] = timed["pallasite_panels"][1] == ours_out
             if torch_model is not None:
                 best = None
                 for impl in cache_impls:
@@ -772,6 +782,8 @@ def main(argv=None):
                 row["agree_prefix"] = min(agree)  # shortest common greedy prefix over the rows
                 row["agree_mean"] = float(np.mean(agree))
                 row["speedup"] = ours_tps / row["torch"]
+                if "panels" in row:
+                    row["panels_speedup"] = row["panels"] / row["torch"]
             if B == 1:
                 # re-measure next to this run (the machine may be shared): use the best seen
                 bw_now = measure_bandwidth(bw_bytes, torch_device if have_torch else None)
@@ -783,7 +795,10 @@ def main(argv=None):
                   + (f" | torch {row['torch']:8.1f} tok/s ({row['torch_cache']}) | x{row['speedup']:.2f}"
                      f" | greedy agree min {row['agree_prefix']}/{n_new} mean {row['agree_mean']:.1f}"
                      if "torch" in row else "")
-                  + (f" | bw share {row['bw_share']:.0%}" if B == 1 else ""), flush=True)
+                  + (f" | bw share {row['bw_share']:.0%}" if B == 1 else "")
+                  + (f" | panels {row['panels']:8.1f} tok/s (x{row['panels'] / ours_tps:.2f} float"
+                     + (f", x{row['panels_speedup']:.2f} torch" if "panels_speedup" in row else "")
+                     + f", same tokens {row['panels_same_tokens']})" if "panels" in row else ""), flush=True)
         del torch_model, state_d
         gc.collect()
 
@@ -810,6 +825,15 @@ def main(argv=None):
               f"| {r['dtype']} | {r['batch']} | {r['ours']:.1f} | - | - | - | ", end="")
         print(f"{r['bw_share']:.0%} |" if "bw_share" in r else "- |")
 
+    if any("panels" in r for r in rows):
+        print("\n| dtype | batch | pallasite tok/s | pallasite panels tok/s | panels / float | panels / torch | "
+              "same tokens as float |")
+        print("|---|---|---|---|---|---|---|")
+        for r in (r for r in rows if "panels" in r):
+            vs_torch = f"{r['panels_speedup']:.2f}x" if "panels_speedup" in r else "-"
+            print(f"| {r['dtype']} | {r['batch']} | {r['ours']:.1f} | {r['panels']:.1f} | "
+                  f"{r['panels'] / r['ours']:.2f}x | {vs_torch} | {r['panels_same_tokens']} |")
+
     def pick(key, B, dtype=None):
         vals = [r[key] for r in rows if r["batch"] == B and key in r and (dtype is None or r["dtype"] == dtype)]
         return round(min(vals), 3) if vals else None  # the worst over dtypes: the honest headline
@@ -825,6 +849,11 @@ def main(argv=None):
             results[f"speedup_vs_torch_{tag}"] = round(r["speedup"], 3)
         if "bw_share" in r:
             results[f"bandwidth_share_{tag}"] = round(r["bw_share"], 3)
+        if "panels" in r:
+            results[f"pallasite_panels_tok_s_{tag}"] = round(r["panels"], 2)
+            results[f"panels_same_tokens_{tag}"] = r["panels_same_tokens"]
+            if "panels_speedup" in r:
+                results[f"panels_speedup_vs_torch_{tag}"] = round(r["panels_speedup"], 3)
     results["speedup_vs_torch_b1"] = pick("speedup", 1)
     results["speedup_vs_torch_b8"] = pick("speedup", 8)
     results["bandwidth_share_b1"] = pick("bw_share", 1)

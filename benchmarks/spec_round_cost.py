@@ -212,6 +212,44 @@ def load_target(random_weights: bool, dtype: str):
     return pallasite.Model(cfg, state), f"{source} ({dtype})"
 
 
+def time_rounds(target, drafter, args, ks, measured) -> dict:
+    """Per batch size: the target's call times per width, the drafter's step, each K's round cost
+    and the acceptance it needs (and, with ``--narrowed`` / ``--calls-per-token``, those too)."""
+    batches = {}
+    print(f"{'B':>3} {'T':>3} {'target ms':>10} {'x step':>7}")
+    for B in (int(b) for b in args.batches.split(",")):
+        ms = {T: step_ms(target, B, T, args.iters) for T in sorted({1, *(k + 1 for k in ks)})}
+        for T, v in ms.items():
+            print(f"{B:>3} {T:>3} {v:>10.1f} {v / ms[1]:>7.2f}", flush=True)
+        d_ms = step_ms(drafter, B, 1, args.iters) if drafter else 0.0
+        rows = {}
+        for K in ks:
+            cost = ms[K + 1] / ms[1] + K * d_ms / ms[1]
+            rows[K] = {"round_cost_steps": round(cost, 3),
+                       **{f"a_for_{s}x": acceptance_needed(cost, K, s) for s in (1.0, 1.3, 1.5)}}
+        if drafter:
+            print(f"  drafter step at B={B}: {d_ms:.2f} ms ({d_ms / ms[1]:.3f} target steps)")
+        for K, r in rows.items():
+            print(f"  K={K}: a round costs {r['round_cost_steps']:.2f} target steps; per-draft acceptance for "
+                  f"1.0x {r['a_for_1.0x']}, 1.3x {r['a_for_1.3x']}, 1.5x {r['a_for_1.5x']}")
+        batches[B] = {"target_ms": {T: round(v, 2) for T, v in ms.items()},
+                      "drafter_step_ms": round(d_ms, 3), "k": rows}
+        if args.narrowed:
+            K = args.measured_k
+            narrowed = {w: step_ms(target, B, K + 1, args.iters, narrowed_to=w) for w in (1, K + 1)}
+            for w, v in narrowed.items():
+                print(f"  narrowed verify at B={B}, K={K}, width {w}: {v:.1f} ms, {v / ms[w]:.2f}x the direct "
+                      f"{w}-token call", flush=True)
+            batches[B]["narrowed_ms"] = {"k": K, **{w: round(v, 2) for w, v in narrowed.items()}}
+        if B in measured:
+            pred = predicted_speedup(measured[B], rows[args.measured_k]["round_cost_steps"])
+            print(f"  predicted speed-up at B={B}, K={args.measured_k}, {measured[B]} target calls per token "
+                  f"(measured elsewhere): {pred:.2f}x (cost model, not a measurement)")
+            batches[B]["predicted_speedup"] = {"k": args.measured_k, "calls_per_token": measured[B],
+                                               "speedup": round(pred, 3)}
+    return batches
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default=None, metavar="DIR", help="a pallasite.load folder to time as the drafter")
@@ -224,6 +262,8 @@ def main(argv=None):
                     help="measured target calls per token at K = --measured-k, per batch: predict the speed-up here")
     ap.add_argument("--measured-k", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--linears", default="float", metavar="float,panels",
+                    help="linear kinds to time in turn in this run (panels: ops.panels' few-row XLA:CPU kernel)")
     ap.add_argument("--ks", default="1,2,3,4", help="draft lengths K (the verify is K + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--plot", default=None, metavar="PNG",
@@ -257,40 +297,22 @@ def main(argv=None):
             drafter = pallasite.Model(*cast_state(drafter.config, drafter.state, args.dtype), drafter.tokenizer)
     elif args.drafter_shape:
         drafter = shape_drafter(target, args.drafter_shape)
+    kinds = [k.strip() for k in args.linears.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("float", "panels")]
+    if bad or not kinds:
+        raise SystemExit(f"benchmarks.spec_round_cost: --linears {args.linears!r}; expected float and/or panels")
     out = {"bench": "spec_round_cost", "target": target_name, "drafter": args.drafter or args.drafter_shape,
-           "device": jax.default_backend(), "batches": {}}
+           "device": jax.default_backend(), "batches": {}, "linears": {}}
     print(f"target {target_name}; drafter {out['drafter']}; device {jax.devices()[0].device_kind}")
-    print(f"{'B':>3} {'T':>3} {'target ms':>10} {'x step':>7}")
-    for B in (int(b) for b in args.batches.split(",")):
-        ms = {T: step_ms(target, B, T, args.iters) for T in sorted({1, *(k + 1 for k in ks)})}
-        for T, v in ms.items():
-            print(f"{B:>3} {T:>3} {v:>10.1f} {v / ms[1]:>7.2f}", flush=True)
-        d_ms = step_ms(drafter, B, 1, args.iters) if drafter else 0.0
-        rows = {}
-        for K in ks:
-            cost = ms[K + 1] / ms[1] + K * d_ms / ms[1]
-            rows[K] = {"round_cost_steps": round(cost, 3),
-                       **{f"a_for_{s}x": acceptance_needed(cost, K, s) for s in (1.0, 1.3, 1.5)}}
-        if drafter:
-            print(f"  drafter step at B={B}: {d_ms:.2f} ms ({d_ms / ms[1]:.3f} target steps)")
-        for K, r in rows.items():
-            print(f"  K={K}: a round costs {r['round_cost_steps']:.2f} target steps; per-draft acceptance for "
-                  f"1.0x {r['a_for_1.0x']}, 1.3x {r['a_for_1.3x']}, 1.5x {r['a_for_1.5x']}")
-        out["batches"][B] = {"target_ms": {T: round(v, 2) for T, v in ms.items()},
-                             "drafter_step_ms": round(d_ms, 3), "k": rows}
-        if args.narrowed:
-            K = args.measured_k
-            narrowed = {w: step_ms(target, B, K + 1, args.iters, narrowed_to=w) for w in (1, K + 1)}
-            for w, v in narrowed.items():
-                print(f"  narrowed verify at B={B}, K={K}, width {w}: {v:.1f} ms, {v / ms[w]:.2f}x the direct "
-                      f"{w}-token call", flush=True)
-            out["batches"][B]["narrowed_ms"] = {"k": K, **{w: round(v, 2) for w, v in narrowed.items()}}
-        if B in measured:
-            pred = predicted_speedup(measured[B], rows[args.measured_k]["round_cost_steps"])
-            print(f"  predicted speed-up at B={B}, K={args.measured_k}, {measured[B]} target calls per token "
-                  f"(measured elsewhere): {pred:.2f}x (cost model, not a measurement)")
-            out["batches"][B]["predicted_speedup"] = {"k": args.measured_k, "calls_per_token": measured[B],
-                                                      "speedup": round(pred, 3)}
+    for kind in kinds:
+        t, d = target, drafter
+        if kind == "panels":  # ops.panels: the few-row XLA:CPU kernel, for target and drafter alike
+            from pallasite.models.panel_linear import with_panels
+
+            t, d = with_panels(t), (with_panels(d) if d is not None else None)
+        print(f"linear kind {kind}:")
+        out["linears"][kind] = time_rounds(t, d, args, ks, measured)
+    out["batches"] = out["linears"][kinds[0]]
     print(json.dumps(out))
     if args.plot:
         plot_cost_model(out, args.plot, measured, measured_speedup, band, args.measured_k)

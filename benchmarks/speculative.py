@@ -381,6 +381,9 @@ def main(argv=None):
                          "product of the round's top probabilities is (confidence_of='prefix'), e.g. tli,tli@0.4")
     ap.add_argument("--lookup-k", type=int, default=0,
                     help="the 'lookup' system's (prompt lookup decoding, no drafter) tokens per round (0: --k)")
+    ap.add_argument("--panels", action="store_true",
+                    help="target and drafter on the panels linear kind (ops.panels: XLA:CPU few-row kernel); "
+                         "target-only decoding runs the same converted target")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-offset", type=int, default=0,
                     help="skip this many held-out prompts (choose settings on other prompts than those reported)")
@@ -445,6 +448,11 @@ def main(argv=None):
             raise SystemExit(f"--target {args.target}: not SmolLM2-135M (vocabulary {len(target.tokenizer)})")
     train = stdlib_texts("train", max_bytes=args.corpus_bytes)
     drafter, train_s = make_drafter(args, float_target, train)
+    if args.panels:
+        from pallasite.models.panel_linear import with_panels
+
+        target, drafter = with_panels(target), with_panels(drafter)
+        target_name += " [panels]"
     batches = [int(b) for b in args.batches.split(",")]
     n_prompts = max(max(batches), args.b1_prompts)
     prompts_all = heldout_prompts(target, args.prompt_offset + n_prompts, args.prompt_tokens)[args.prompt_offset:]

@@ -433,6 +433,11 @@ def export_hf(cfg: ModelConfig, state, path: str, *, max_shard_bytes: int = DEFA
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``)."""
     from safetensors.numpy import save_file
 
+    from pallasite.registry import LINEAR
+
+    to_float = getattr(LINEAR.get(cfg.linear), "to_float", None)
+    if to_float is not None:  # a kind that keeps float weights in a layout of its own (panels) writes them plain
+        cfg, state = to_float(cfg, state)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = state_to_hf_tensors(cfg, state)

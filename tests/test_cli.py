@@ -149,6 +149,11 @@ USER_ERRORS = [
         ["--prompt-lookup", "no --drafter"],
     ),
     (
+        "panels in bf16",
+        ["generate", "--model", "{m}", "--prompt", "x", "--dtype", "bfloat16", "--cpu-panels"],
+        ["bfloat16", "float32 only"],
+    ),
+    (
         "long prompt",
         ["generate", "--model", "{m}", "--prompt", "x = 1\n" * 200],
         ["context of 64 tokens"],
@@ -320,6 +325,18 @@ def test_generate_with_a_confident_drafter_prints_the_targets_text(tiny_model, c
     cli.main(base)
     want = capsys.readouterr().out
     cli.main(base + ["--drafter", str(tiny_model / "hf"), "--draft-confidence", "0.3"])
+    assert capsys.readouterr().out == want
+
+
+def test_generate_on_cpu_panels_prints_the_same_text(tiny_model, capsys):
+    """--cpu-panels (the float32 linears through ops.panels' CPU kernel), alone and with a drafter
+    that is converted too: the same greedy text as the plain model."""
+    base = ["generate", "--model", str(tiny_model / "hf"), "--prompt", "def f(", "--max-new-tokens", "8"]
+    cli.main(base)
+    want = capsys.readouterr().out
+    cli.main(base + ["--cpu-panels"])
+    assert capsys.readouterr().out == want
+    cli.main(base + ["--cpu-panels", "--drafter", str(tiny_model / "hf")])
     assert capsys.readouterr().out == want
 
 

@@ -25,4 +25,5 @@ def test_wheel_contains_every_module(tmp_path, package_modules):
     want = {"pallasite/" + str(p.relative_to(ROOT)) for p in package_modules.values()}
     missing = sorted(want - names)
     assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {missing}"
+    assert "pallasite/ops/panels/panel_matmul.cc" in names, "the CPU kernel's source is package data"
     assert "pallasite/models/transformer.py" in names and not any(n.startswith("pallasite/tests/") for n in names)

@@ -1,0 +1,99 @@
+"""The ``panels`` linear kind: the float linear with its weight stored in 16-column panels, for
+few-row decoding on XLA:CPU (``ops.panels``: a decode step, a speculative verify, a small batch).
+
+    cfg, state = to_panels(cfg, state)        # or model = with_panels(model); pallasite generate --cpu-panels
+
+``PanelLinear`` has the float ``Linear``'s parameters, ``kernel [in, out]`` and ``bias``, with the
+kernel's numbers in ``ops.panels.pack`` order: same shape, so sharding rules and orbax checkpoints
+work unchanged (a checkpoint records ``linear="panels"``); ``from_panels`` goes back to the float
+kind (HF export needs it). Every call is ``ops.panels.panel_matmul``: the FFI kernel on CPU for
+float32 and up to ``ops.panels.MAX_ROWS`` rows, else the jnp reference (unpack + dot). A row's
+result does not depend on how many rows share the call, unlike XLA:CPU's mat-vec / GEMM switch.
+Every linear's output width must be a multiple of 16. The tied LM head (``Embed.attend``) is not a
+linear kind and keeps XLA's dot.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallasite.errors import ConfigError
+from pallasite.models.config import ModelConfig
+from pallasite.models.layers import Linear
+from pallasite.ops.panels import PANEL, panel_matmul
+from pallasite.ops.panels.reference import pack, unpack
+from pallasite.registry import LINEAR
+
+
+@LINEAR.register("panels")
+class PanelLinear(Linear):
+    """y = x @ unpack(kernel) (+ bias), the kernel stored in panel order."""
+
+    def __init__(self, in_features: int, out_features: int, **kwargs):
+        if out_features % PANEL:
+            raise ConfigError(f"linear='panels': a linear of output width {out_features} is not a multiple of "
+                              f"{PANEL}; use linear='float' for this model")
+        super().__init__(in_features, out_features, **kwargs)
+
+    @staticmethod
+    def to_float(cfg: ModelConfig, state) -> tuple:
+        """The float model with the same numbers (``export_hf`` writes it)."""
+        return from_panels(cfg, state)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = panel_matmul(x.astype(self.dtype), self.kernel[...].astype(self.dtype)).astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def _convert(cfg: ModelConfig, state, kind: str, reorder: Callable) -> tuple:
+    """(cfg with ``linear=kind``, state whose linear kernels went through ``reorder``)."""
+    from pallasite.models.transformer import abstract_model
+
+    new_cfg = cfg.replace(linear=kind)
+    model = abstract_model(new_cfg if kind == "panels" else cfg)
+    paths = {tuple(p) + ("kernel",) for p, m in nnx.iter_modules(model) if isinstance(m, PanelLinear)}
+    flat = dict(nnx.to_flat_state(state))
+
+    def each(path, value):
+        if path not in paths:
+            return value
+        return value.replace(reorder(value[...])) if hasattr(value, "replace") else reorder(value)
+
+    new_state = nnx.from_flat_state({p: each(p, v) for p, v in flat.items()})
+    return new_cfg, new_state
+
+
+def to_panels(cfg: ModelConfig, state) -> tuple:
+    """A float model (``linear="float"``) as a ``panels`` model: same numbers, kernels reordered."""
+    if cfg.linear != "float":
+        raise ConfigError(f"to_panels: the model's linear kind is {cfg.linear!r}; expected 'float'")
+    for field in ("dtype", "param_dtype"):
+        if jnp.dtype(getattr(cfg, field)) != jnp.float32:
+            raise ConfigError(f"to_panels: the model's {field} is {jnp.dtype(getattr(cfg, field)).name}; the panels' "
+                              "CPU kernel is float32 only (load the model with dtype float32)")
+    return _convert(cfg, state, "panels", pack)
+
+
+def from_panels(cfg: ModelConfig, state) -> tuple:
+    """The inverse of ``to_panels``."""
+    if cfg.linear != "panels":
+        raise ConfigError(f"from_panels: the model's linear kind is {cfg.linear!r}; expected 'panels'")
+    return _convert(cfg, state, "float", unpack)
+
+
+def with_panels(model):
+    """A ``pallasite.Model`` with a float linear kind as the same model on ``panels`` (the tokenizer
+    and folder kept); a model already on ``panels`` is returned as it is."""
+    if model.config.linear == "panels":
+        return model
+    cfg, state = to_panels(model.config, model.state)
+    return type(model)(cfg, state, model.tokenizer, path=model.path)
+
+
+__all__ = ["PanelLinear", "to_panels", "from_panels", "with_panels"]

@@ -1,0 +1,92 @@
+"""The XLA:CPU variant of the panel matmul: ``panel_matmul.cc`` compiled on first use with the
+system C++ compiler (AVX2 + FMA) into ``$PALLASITE_CACHE/kernels`` (keyed by the source and the
+jaxlib version), loaded and registered as an XLA FFI target. ``unavailable()`` says why it cannot
+run here (no x86-64 AVX2, no compiler, a failed build), None when it can.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+TARGET = "pallasite_panel_matmul_f32"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "panel_matmul.cc")
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def _library_path() -> str:
+    from pallasite.models.offline import cache_dir
+
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + _jaxlib_version().encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "kernels", f"panel_matmul_{digest}.so")
+
+
+def _build(path: str, cxx: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [cxx, "-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-w",
+           "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(tmp, path)  # atomic: a concurrent build never loads half a file
+    except subprocess.CalledProcessError as e:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {SOURCE} failed: {e.stderr.strip()[-400:]}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> Optional[str]:
+    """None when the kernel is registered with XLA:CPU; else why it is not."""
+    if not _cpu_has_avx2_fma():
+        return "this CPU has no AVX2 + FMA"
+    path = _library_path()
+    if not os.path.exists(path):
+        cxx = _compiler()
+        if cxx is None:
+            return "no C++ compiler (set CXX) to build ops/panels/panel_matmul.cc"
+        try:
+            _build(path, cxx)
+        except (RuntimeError, OSError) as e:
+            return str(e)
+    lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PallasitePanelMatmulF32), platform="cpu")
+    return None
+
+
+def panel_matmul_cpu(x_MK: jax.Array, w_packed_KN: jax.Array) -> jax.Array:
+    """x [M, K] float32 @ the panel-packed w [K, N] float32 on XLA:CPU (``unavailable()`` must be None)."""
+    M, N = x_MK.shape[0], w_packed_KN.shape[1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    return call(x_MK.astype(jnp.float32), w_packed_KN.astype(jnp.float32))
