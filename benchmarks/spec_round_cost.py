@@ -278,6 +278,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.drafter and args.drafter_shape:
         raise SystemExit("benchmarks.spec_round_cost: pass --drafter or --drafter-shape, not both")
+    kinds = [k.strip() for k in args.linears.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("float", "panels")]
+    if bad or not kinds:
+        raise SystemExit(f"benchmarks.spec_round_cost: --linears {args.linears!r}; expected float and/or panels")
     measured = parse_calls_per_token(args.calls_per_token)
     measured_speedup = parse_per_batch(args.measured_speedup, "--measured-speedup", upper=None)
     band = parse_band(args.agreement)
@@ -297,10 +301,6 @@ def main(argv=None):
             drafter = pallasite.Model(*cast_state(drafter.config, drafter.state, args.dtype), drafter.tokenizer)
     elif args.drafter_shape:
         drafter = shape_drafter(target, args.drafter_shape)
-    kinds = [k.strip() for k in args.linears.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("float", "panels")]
-    if bad or not kinds:
-        raise SystemExit(f"benchmarks.spec_round_cost: --linears {args.linears!r}; expected float and/or panels")
     out = {"bench": "spec_round_cost", "target": target_name, "drafter": args.drafter or args.drafter_shape,
            "device": jax.default_backend(), "batches": {}, "linears": {}}
     print(f"target {target_name}; drafter {out['drafter']}; device {jax.devices()[0].device_kind}")

@@ -80,6 +80,8 @@ def test_flag_errors_are_one_line():
         R.main(["--drafter", "x", "--drafter-shape", "2x8192"])
     with pytest.raises(SystemExit, match="--measured-k 5: not among --ks"):
         R.main(["--calls-per-token", "1=0.6", "--measured-k", "5", "--ks", "1,2"])
+    with pytest.raises(SystemExit, match="--linears 'float,fancy'; expected float and/or panels"):
+        R.main(["--linears", "float,fancy"])
 
 
 def test_layer_subsets_parse_ranges_steps_and_lists():

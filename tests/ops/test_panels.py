@@ -77,6 +77,14 @@ def test_leading_axes_and_gradients():
     np.testing.assert_allclose(np.asarray(unpack(gw)), np.asarray(rw), rtol=1e-4, atol=1e-4)
 
 
+def test_benchmark_runs_at_a_small_shape(capsys):
+    from pallasite.benchmarks import panels as bench
+
+    out = bench.main(["--rows", "1,4", "--layers", "2", "--d", "32", "--ff", "64", "--iters", "1"])
+    assert out["max_rel_diff"] < 1e-5 and set(out["rows"]) == {1, 4}
+    assert '"bench": "panels"' in capsys.readouterr().out
+
+
 def test_choose_impl(caplog):
     assert choose_impl(1, jnp.float32) == "cpu"
     assert choose_impl(MAX_ROWS, jnp.float32) == "cpu"
