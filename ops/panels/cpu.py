@@ -1,6 +1,6 @@
 """The XLA:CPU variant of the panel matmul: ``panel_matmul.cc`` compiled on first use with the
-system C++ compiler (AVX2 + FMA) into ``$PALLASITE_CACHE/kernels`` (keyed by the source and the
-jaxlib version), loaded and registered as an XLA FFI target. ``unavailable()`` says why it cannot
+system C++ compiler (AVX2 + FMA) into ``$PALLASITE_CACHE/kernels`` (keyed by the source, the
+flags and the jaxlib version), loaded and registered as an XLA FFI target. ``unavailable()`` says why it cannot
 run here (no x86-64 AVX2, no compiler, a failed build), None when it can.
 """
 
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "pallasite_panel_matmul_f32"
+FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-w")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "panel_matmul.cc")
 
 
@@ -48,7 +49,7 @@ def _library_path() -> str:
     from pallasite.models.offline import cache_dir
 
     with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + _jaxlib_version().encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f.read() + " ".join((_jaxlib_version(),) + FLAGS).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), "kernels", f"panel_matmul_{digest}.so")
 
 
@@ -56,8 +57,7 @@ def _build(path: str, cxx: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [cxx, "-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-w",
-           "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(tmp, path)  # atomic: a concurrent build never loads half a file
