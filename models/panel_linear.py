@@ -7,7 +7,9 @@ few-row decoding on XLA:CPU (``ops.panels``: a decode step, a speculative verify
 kernel's numbers in ``ops.panels.pack`` order: same shape, so sharding rules and orbax checkpoints
 work unchanged (a checkpoint records ``linear="panels"``); ``from_panels`` goes back to the float
 kind (HF export needs it). Every call is ``ops.panels.panel_matmul``: the FFI kernel on CPU for
-float32 and up to ``ops.panels.MAX_ROWS`` rows, else the jnp reference (unpack + dot). A row's
+float32 or bfloat16 models (stored and computed in the same dtype; sums in float32, the result
+rounded to the compute dtype once) and up to ``ops.panels.MAX_ROWS`` rows, else the jnp reference
+(unpack + dot). A row's
 result does not depend on how many rows share the call, unlike XLA:CPU's mat-vec / GEMM switch.
 Every linear's output width must be a multiple of 16. The tied LM head (``Embed.attend``) is not a
 linear kind and keeps XLA's dot.
@@ -24,7 +26,7 @@ from flax import nnx
 from pallasite.errors import ConfigError
 from pallasite.models.config import ModelConfig
 from pallasite.models.layers import Linear
-from pallasite.ops.panels import PANEL, panel_matmul
+from pallasite.ops.panels import KERNEL_DTYPES, PANEL, panel_matmul
 from pallasite.ops.panels.reference import pack, unpack
 from pallasite.registry import LINEAR
 
@@ -73,10 +75,11 @@ def to_panels(cfg: ModelConfig, state) -> tuple:
     """A float model (``linear="float"``) as a ``panels`` model: same numbers, kernels reordered."""
     if cfg.linear != "float":
         raise ConfigError(f"to_panels: the model's linear kind is {cfg.linear!r}; expected 'float'")
-    for field in ("dtype", "param_dtype"):
-        if jnp.dtype(getattr(cfg, field)) != jnp.float32:
-            raise ConfigError(f"to_panels: the model's {field} is {jnp.dtype(getattr(cfg, field)).name}; the panels' "
-                              "CPU kernel is float32 only (load the model with dtype float32)")
+    dtype, param_dtype = jnp.dtype(cfg.dtype).name, jnp.dtype(cfg.param_dtype).name
+    if param_dtype not in KERNEL_DTYPES or dtype != param_dtype:
+        raise ConfigError(f"to_panels: the model stores {param_dtype} and computes in {dtype}; the panels' CPU kernel "
+                          f"reads one of {' / '.join(KERNEL_DTYPES)} as stored (load the model with dtype float32 or "
+                          "bfloat16)")
     return _convert(cfg, state, "panels", pack)
 
 

@@ -149,9 +149,9 @@ USER_ERRORS = [
         ["--prompt-lookup", "no --drafter"],
     ),
     (
-        "panels in bf16",
-        ["generate", "--model", "{m}", "--prompt", "x", "--dtype", "bfloat16", "--cpu-panels"],
-        ["bfloat16", "float32 only"],
+        "panels in float16",
+        ["generate", "--model", "{m}", "--prompt", "x", "--dtype", "float16", "--cpu-panels"],
+        ["float16", "float32 / bfloat16"],
     ),
     (
         "long prompt",

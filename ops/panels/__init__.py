@@ -10,7 +10,9 @@ handler on the intra-op thread pool) streams every panel once and keeps its 16 o
 registers, so 4 rows cost about what 1 row costs.
 
 ``impl``: ``"cpu"`` the FFI kernel, ``"ref"`` the jnp reference (unpack + dot), None: the kernel on
-CPU for float32 and up to ``MAX_ROWS`` rows, else the reference (logged once by
+CPU for float32 or bfloat16 weights and up to ``MAX_ROWS`` rows, else the reference. The kernel
+takes x as float32 and sums in float32 (a bf16 weight is widened exactly: it halves the bytes read,
+not the precision of the sums); the result is float32 (logged once by
 ``ops.dispatch.warn_fallback`` where the kernel cannot serve the call). There is no Pallas variant:
 the layout exists for XLA:CPU; on TPU and GPU the reference's dot is XLA's own fused GEMM.
 Gradients (``jax.custom_vjp``): dx = dy @ Wᵀ, dW = pack(xᵀ dy).
@@ -33,8 +35,11 @@ MAX_ROWS = 64  # more rows than this are compute-bound: XLA's GEMM (after an unp
 IMPLS = ("cpu", "ref")
 
 
-def choose_impl(rows: int, dtype, impl: Optional[str] = None) -> str:
-    """Which implementation ``panel_matmul`` runs for ``rows`` rows of ``dtype``."""
+KERNEL_DTYPES = ("float32", "bfloat16")  # weight dtypes the CPU kernel reads
+
+
+def choose_impl(rows: int, weight_dtype, impl: Optional[str] = None) -> str:
+    """Which implementation ``panel_matmul`` runs for ``rows`` rows against a weight of ``weight_dtype``."""
     if impl is not None:
         if impl not in IMPLS:
             raise ValueError(f"panel_matmul: impl={impl!r}; expected one of {IMPLS} or None")
@@ -45,8 +50,9 @@ def choose_impl(rows: int, dtype, impl: Optional[str] = None) -> str:
         return "ref"
     if rows > MAX_ROWS:
         return "ref"
-    if jnp.dtype(dtype) != jnp.float32:
-        warn_fallback("panel_matmul", "the CPU kernel is float32 only", dtype=jnp.dtype(dtype).name)
+    if jnp.dtype(weight_dtype).name not in KERNEL_DTYPES:
+        warn_fallback("panel_matmul", "the CPU kernel reads float32 or bfloat16 weights",
+                      dtype=jnp.dtype(weight_dtype).name)
         return "ref"
     why = cpu.unavailable()
     if why is not None:
@@ -62,7 +68,7 @@ def panel_matmul(x: jax.Array, w_packed_KN: jax.Array, *, impl: Optional[str] = 
     if x.shape[-1] != K:
         raise ValueError(f"panel_matmul: x {x.shape} does not end in the weight's K = {K}")
     rows = math.prod(x.shape[:-1])
-    chosen = choose_impl(rows, jnp.result_type(x.dtype, w_packed_KN.dtype), impl)
+    chosen = choose_impl(rows, w_packed_KN.dtype, impl)
     y = _matmul(chosen, x.reshape(rows, K), w_packed_KN)
     return y.reshape(*x.shape[:-1], N)
 
@@ -90,4 +96,5 @@ def _matmul_bwd(impl, res, dy_MN):
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
-__all__ = ["PANEL", "MAX_ROWS", "pack", "unpack", "panel_matmul", "panel_matmul_reference", "choose_impl"]
+__all__ = ["PANEL", "MAX_ROWS", "KERNEL_DTYPES", "pack", "unpack", "panel_matmul", "panel_matmul_reference",
+           "choose_impl"]

@@ -1,4 +1,5 @@
-"""The XLA:CPU variant of the panel matmul: ``panel_matmul.cc`` compiled on first use with the
+"""The XLA:CPU variant of the panel matmul (float32 or bfloat16 weights, float32 activations and
+sums): ``panel_matmul.cc`` compiled on first use with the
 system C++ compiler (AVX2 + FMA) into ``$PALLASITE_CACHE/kernels`` (keyed by the source, the
 flags and the jaxlib version), loaded and registered as an XLA FFI target. ``unavailable()`` says why it cannot
 run here (no x86-64 AVX2, no compiler, a failed build), None when it can.
@@ -19,7 +20,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-TARGET = "pallasite_panel_matmul_f32"
+TARGETS = {"float32": ("pallasite_panel_matmul_f32", "PallasitePanelMatmulF32"),
+           "bfloat16": ("pallasite_panel_matmul_bf16", "PallasitePanelMatmulBF16")}  # weight dtype -> (target, symbol)
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-w")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "panel_matmul.cc")
 
@@ -62,8 +64,10 @@ def _build(path: str, cxx: str) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(tmp, path)  # atomic: a concurrent build never loads half a file
     except subprocess.CalledProcessError as e:
-        os.unlink(tmp)
         raise RuntimeError(f"building {SOURCE} failed: {e.stderr.strip()[-400:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +84,19 @@ def unavailable() -> Optional[str]:
             _build(path, cxx)
         except (RuntimeError, OSError) as e:
             return str(e)
-    lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PallasitePanelMatmulF32), platform="cpu")
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+    except OSError as e:  # a damaged cached build: say so (delete it to rebuild)
+        return f"cannot load {path}: {e}"
+    for target, symbol in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return None
 
 
 def panel_matmul_cpu(x_MK: jax.Array, w_packed_KN: jax.Array) -> jax.Array:
-    """x [M, K] float32 @ the panel-packed w [K, N] float32 on XLA:CPU (``unavailable()`` must be None)."""
+    """x [M, K] (taken as float32) @ the panel-packed w [K, N] (float32 or bfloat16) -> float32, on
+    XLA:CPU (``unavailable()`` must be None)."""
     M, N = x_MK.shape[0], w_packed_KN.shape[1]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
-    return call(x_MK.astype(jnp.float32), w_packed_KN.astype(jnp.float32))
+    target = TARGETS[jnp.dtype(w_packed_KN.dtype).name][0]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    return call(x_MK.astype(jnp.float32), w_packed_KN)

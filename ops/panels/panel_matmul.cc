@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] @ W for W stored in 16-column panels: panel p holds W[:, 16p:16p+16] as K
-// contiguous rows of 16 floats (ops/panels/__init__.py, pack). An XLA:CPU FFI handler.
+// contiguous rows of 16 values (ops/panels/reference.py, pack). XLA:CPU FFI handlers for float32
+// and bfloat16 weights (x and y float32; a bf16 weight is widened exactly, the sums run in float32).
 //
 // Why: with few rows (a decode step, a speculative verify) a matmul is bound by streaming W from
 // memory. Each panel streams once, contiguously, and its 16 columns of y stay in registers for
@@ -24,18 +25,31 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 
+// One panel row of 16 weights as two vectors of 8 floats.
+inline void PanelRow(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+// bfloat16 is the top half of a float32: widen to 32 bits and shift left by 16 (exact).
+inline void PanelRow(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
 // y[r, 16p:16p+16] = x[r, :] @ panel for R rows; the sum over k runs in order for every row, so a
 // row's result does not depend on how many rows share the call.
-template <int R>
-inline void PanelRows(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t col) {
+template <int R, typename W>
+inline void PanelRows(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t col) {
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm256_setzero_ps();
     hi[r] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w_lo = _mm256_loadu_ps(panel + kPanel * k);
-    const __m256 w_hi = _mm256_loadu_ps(panel + kPanel * k + 8);
+    __m256 w_lo, w_hi;
+    PanelRow(panel + kPanel * k, w_lo, w_hi);
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
       lo[r] = _mm256_fmadd_ps(xb, w_lo, lo[r]);
@@ -48,9 +62,10 @@ inline void PanelRows(const float* x, const float* panel, float* y, int64_t K, i
   }
 }
 
-void Panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+template <typename W>
+void Panels(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * kPanel;
+    const W* panel = w + p * K * kPanel;
     const int64_t col = p * kPanel;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) PanelRows<4>(x + m * K, panel, y + m * N, K, N, col);
@@ -63,9 +78,10 @@ void Panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int6
   }
 }
 
+template <typename W>
 struct Job {
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t M, K, N, panels, chunks;
   std::atomic<int64_t> next{0};
@@ -79,8 +95,10 @@ struct Job {
   }
 };
 
-ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                            ffi::ResultBuffer<ffi::F32> y) {
+  using W = ffi::NativeType<WT>;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("panel_matmul: x and w must be 2-D");
@@ -89,7 +107,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     return ffi::Error::InvalidArgument("panel_matmul: expected x [M, K] and panel-packed w [K, N], N % 16 == 0");
   }
   if (M == 0 || N == 0) return ffi::Error::Success();
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
   job->w = w.typed_data();
   job->y = y->typed_data();
@@ -107,9 +125,16 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasitePanelMatmulF32, PanelMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasitePanelMatmulF32, PanelMatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasitePanelMatmulBF16, PanelMatmulImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -5,7 +5,9 @@
 * Saved as orbax it loads back as a panels model; exported as HF it is written as the float model.
 * Speculative decoding (tli, K = 3) and prompt lookup on a panels target (and drafter) give the
   panels target's own greedy tokens.
-* Bad input: a width that is not a multiple of 16, a non-float kind, a bf16 model: one clear error.
+* A bf16 model on panels gives the bf16 float model's logits to bf16 rounding.
+* Bad input: a width that is not a multiple of 16, a non-float kind, a float16 model or one that
+  stores another dtype than it computes in: one clear error.
 """
 
 import jax
@@ -51,6 +53,19 @@ def test_round_trip_and_logits(scan):
     pg = nnx.split(nnx.eval_shape(lambda: init_model(pcfg)))[0]
     got = forward(pg, pst, ids)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_model():
+    """A bf16 model (stored and computed in bf16) on panels: the kernel reads the bf16 weights and
+    sums in float32, as the float kind's dot does; logits agree to bf16 rounding."""
+    cfg, (g, st) = _tiny(dtype="bfloat16", param_dtype="bfloat16")
+    st = jax.tree.map(lambda a: a.astype(jnp.bfloat16), st)
+    pcfg, pst = to_panels(cfg, st)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 9)), jnp.int32)
+    want = np.asarray(forward(g, st, ids)[0], np.float32)
+    pg = nnx.split(nnx.eval_shape(lambda: init_model(pcfg)))[0]
+    got = np.asarray(forward(pg, pst, ids)[0], np.float32)
+    np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02 * np.abs(want).max())
 
 
 def test_generate_save_and_export(tmp_path):
@@ -99,5 +114,7 @@ def test_bad_input():
         to_panels(cfg.replace(linear="fp4"), st)
     with pytest.raises(ConfigError, match="expected 'panels'"):
         from_panels(cfg, st)
-    with pytest.raises(ConfigError, match="float32 only"):
+    with pytest.raises(ConfigError, match="stores float32 and computes in bfloat16"):
         to_panels(cfg.replace(dtype="bfloat16"), st)
+    with pytest.raises(ConfigError, match="float32 / bfloat16"):
+        to_panels(cfg.replace(dtype="float16", param_dtype="float16"), st)

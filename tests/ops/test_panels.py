@@ -5,7 +5,8 @@
 * The FFI kernel equals the reference for 1..9, 33 and 64 rows, odd K, one panel and many; a row's
   result is bit-identical whatever the number of rows beside it (the kernel sums k in one order).
 * Gradients through the ``custom_vjp`` equal those of ``x @ w``.
-* ``choose_impl``: more than ``MAX_ROWS`` rows or a bf16 operand goes to the reference, the latter
+* bfloat16 weights (widened exactly, float32 sums) equal the reference on the same bf16 numbers.
+* ``choose_impl``: more than ``MAX_ROWS`` rows or a float16 weight goes to the reference, the latter
   logged once.
 """
 
@@ -54,6 +55,18 @@ def test_kernel_matches_reference(K, N):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(K), err_msg=f"M={M}")
 
 
+@pytest.mark.parametrize("K,N", [(576, 192), (37, 16)])
+def test_bfloat16_weights(K, N):
+    w = pack(_rand((K, N), 8)).astype(jnp.bfloat16)
+    run = jax.jit(lambda x, w: panel_matmul(x, w, impl="cpu"))
+    for M in (1, 3, 4, 9):
+        x = _rand((M, K), 20 + M).astype(jnp.bfloat16)
+        got = run(x, w)
+        assert got.dtype == jnp.float32
+        want = np.asarray(panel_matmul_reference(x, w))  # the same bf16 numbers, widened, float32 sums
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.sqrt(K), err_msg=f"M={M}")
+
+
 def test_rows_do_not_depend_on_their_neighbours():
     K, N = 300, 96
     w = pack(_rand((K, N), 2))
@@ -92,11 +105,25 @@ def test_choose_impl(caplog):
     assert choose_impl(4, jnp.float32, "ref") == "ref"
     with pytest.raises(ValueError, match="impl"):
         choose_impl(4, jnp.float32, "pallas")
+    assert choose_impl(4, jnp.bfloat16) == "cpu"
     dispatch.reset_fallback_warnings()
     with caplog.at_level(logging.WARNING, logger="pallasite.ops"):
-        assert choose_impl(4, jnp.bfloat16) == "ref"
-    assert "float32 only" in caplog.text
+        assert choose_impl(4, jnp.float16) == "ref"
+    assert "float32 or bfloat16 weights" in caplog.text
     w = pack(_rand((16, PANEL), 6))
     x = _rand((4, 16), 7)
-    y = panel_matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))  # served by the reference
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ unpack(w)), rtol=0.05, atol=0.1)
+    y = panel_matmul(x.astype(jnp.float16), w.astype(jnp.float16))  # served by the reference
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ unpack(w)), rtol=0.01, atol=0.05)
+
+
+def test_unavailable_says_why(tmp_path, monkeypatch):
+    """No compiler, or a damaged cached build: ``unavailable`` names the reason (the caller falls
+    back to the reference and logs it) instead of raising."""
+    monkeypatch.setenv("PALLASITE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    assert "no C++ compiler" in cpu.unavailable.__wrapped__()
+    path = cpu._library_path()
+    (tmp_path / "kernels").mkdir()
+    with open(path, "wb") as f:
+        f.write(b"not a shared object")
+    assert "cannot load" in cpu.unavailable.__wrapped__()
