@@ -687,8 +687,8 @@ def main(argv=None):
     ap.add_argument("--torch-static", choices=("on", "off"), default="on",
                     help="also time transformers' static cache with torch.compile (default on)")
     ap.add_argument("--panels", action="store_true",
-                    help="float32: also time pallasite with the panels linear kind (ops.panels, the few-row "
-                         "XLA:CPU kernel) in the same interleaved runs")
+                    help="also time pallasite with the panels linear kind (ops.panels, the few-row XLA:CPU "
+                         "kernel; float32 or bfloat16 weights) in the same interleaved runs")
     ap.add_argument("--bw-bytes", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None,
                     help="llama3-8b-shape only: keep this many of its 32 layers (memory; named in the output)")
@@ -753,7 +753,7 @@ def main(argv=None):
             prompts = prompts_by_batch[B]
             runners = {}
             runners["pallasite"], ours_first = pallasite_runner(cfg_d, state_d, prompts, n_new)
-            if args.panels and dtype == "float32":
+            if args.panels:
                 from pallasite.models.panel_linear import to_panels
 
                 runners["pallasite_panels"], _ = pallasite_runner(*to_panels(cfg_d, state_d), prompts, n_new)

@@ -1,13 +1,14 @@
 """The few-row CPU kernel (``ops.panels``) against XLA:CPU's own dot, on the shape that matters.
 
-    python -m pallasite.benchmarks.panels [--rows 1,2,4,8,16,32] [--iters 9]
+    python -m pallasite.benchmarks.panels [--rows 1,2,4,8,16,32] [--iters 9] [--dtype bfloat16]
 
-Times SmolLM2-135M's 30 SwiGLU MLP blocks (d 576, ff 1536; random float32 weights, 318 MB, the
+Times SmolLM2-135M's 30 SwiGLU MLP blocks (d 576, ff 1536; random weights, 318 MB in float32, the
 bulk of a decode step's weight reads) unrolled in one jit, at M rows: ``x @ W`` (XLA:CPU: a
-mat-vec for one row, its GEMM for more) against ``ops.panels.panel_matmul`` on the packed
-weights. Interleaved (XLA, panels, XLA, ...) per M, median of ``--iters``; the table gives ms, the
-ratio and the weight read rate. Checks first that both give the same result (to rounding).
-Ends with one JSON line.
+mat-vec for one row, its GEMM for more; with ``--dtype bfloat16`` activations and weights in bf16
+and float32 accumulation, as ``models.layers.Linear`` computes) against ``ops.panels.panel_matmul``
+on the packed weights of the same dtype. Interleaved (XLA, panels, XLA, ...) per M, median of
+``--iters``; the table gives ms, the ratio and the weight read rate. Checks first that both give
+the same result (to rounding). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ import numpy as np
 from pallasite.ops.panels import pack, panel_matmul
 
 
-def mlp_stack(matmul):
+def mlp_stack(matmul, dtype):
     def run(x, gates, ups, downs):
         for g, u, d in zip(gates, ups, downs):
-            x = x + matmul(jax.nn.silu(matmul(x, g)) * matmul(x, u), d)
-        return x
+            h = jax.nn.silu(matmul(x, g)) * matmul(x, u)
+            x = x + matmul(h.astype(dtype), d)
+        return x.astype(dtype)
     return jax.jit(run)
+
+
+def xla_dot(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def main(argv=None):
@@ -38,24 +44,28 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=576)
     ap.add_argument("--ff", type=int, default=1536)
     ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     shapes = {"gates": (args.d, args.ff), "ups": (args.d, args.ff), "downs": (args.ff, args.d)}
-    plain = {k: [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for _ in range(args.layers)]
+    dtype = jnp.dtype(args.dtype)
+    plain = {k: [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, dtype) for _ in range(args.layers)]
              for k, s in shapes.items()}
     packed = {k: [pack(w) for w in ws] for k, ws in plain.items()}
     weight_bytes = sum(w.nbytes for ws in plain.values() for w in ws)
-    systems = {"xla": (mlp_stack(lambda x, w: x @ w), plain), "panels": (mlp_stack(panel_matmul), packed)}
-    x0 = jnp.asarray(rng.standard_normal((3, args.d), np.float32))
-    ref, got = (fn(x0, **w) for fn, w in systems.values())
-    err = float(jnp.max(jnp.abs(ref - got)) / jnp.max(jnp.abs(ref)))
-    print(f"{args.layers} SwiGLU MLPs d={args.d} ff={args.ff}, {weight_bytes / 1e6:.0f} MB float32; "
+    panels = lambda x, w: panel_matmul(x, w).astype(x.dtype)
+    systems = {"xla": (mlp_stack(xla_dot, dtype), plain), "panels": (mlp_stack(panels, dtype), packed)}
+    x0 = jnp.asarray(rng.standard_normal((3, args.d), np.float32), dtype)
+    ref, got = (np.asarray(fn(x0, **w), np.float32) for fn, w in systems.values())
+    err = float(np.max(np.abs(ref - got)) / np.max(np.abs(ref)))
+    print(f"{args.layers} SwiGLU MLPs d={args.d} ff={args.ff}, {weight_bytes / 1e6:.0f} MB {dtype.name}; "
           f"device {jax.devices()[0].device_kind}; relative max difference {err:.1e}")
     print(f"{'M':>4} {'xla ms':>8} {'panels ms':>10} {'speed-up':>9} {'xla GB/s':>9} {'panels GB/s':>12}")
-    out = {"bench": "panels", "weight_MB": round(weight_bytes / 1e6, 1), "max_rel_diff": err, "rows": {}}
+    out = {"bench": "panels", "dtype": dtype.name, "weight_MB": round(weight_bytes / 1e6, 1), "max_rel_diff": err,
+           "rows": {}}
     for M in rows:
-        x = jnp.asarray(rng.standard_normal((M, args.d), np.float32))
+        x = jnp.asarray(rng.standard_normal((M, args.d), np.float32), dtype)
         samples = {name: [] for name in systems}
         for name, (fn, w) in systems.items():
             jax.block_until_ready(fn(x, **w))  # compile
