@@ -6,8 +6,10 @@ Times SmolLM2-135M's 30 SwiGLU MLP blocks (d 576, ff 1536; random weights, 318 M
 bulk of a decode step's weight reads) unrolled in one jit, at M rows: ``x @ W`` (XLA:CPU: a
 mat-vec for one row, its GEMM for more; with ``--dtype bfloat16`` activations and weights in bf16
 and float32 accumulation, as ``models.layers.Linear`` computes) against ``ops.panels.panel_matmul``
-on the packed weights of the same dtype. Interleaved (XLA, panels, XLA, ...) per M, median of
-``--iters``; the table gives ms, the ratio and the weight read rate. Checks first that both give
+on the packed weights of the same dtype. Per M, each system's ``--iters`` calls in a row after a
+warm-up, median; not interleaved call by call, because XLA's bf16 one-row mat-vec (about 8x
+slower than the rest) slowed the panels call right after it 2x. The table gives ms, the ratio
+and the weight read rate. Checks first that both give
 the same result (to rounding). Ends with one JSON line.
 """
 
@@ -67,10 +69,9 @@ def main(argv=None):
     for M in rows:
         x = jnp.asarray(rng.standard_normal((M, args.d), np.float32), dtype)
         samples = {name: [] for name in systems}
-        for name, (fn, w) in systems.items():
-            jax.block_until_ready(fn(x, **w))  # compile
-        for _ in range(args.iters):
-            for name, (fn, w) in systems.items():
+        for name, (fn, w) in systems.items():  # one system's calls in a row, after a warm-up call
+            jax.block_until_ready(fn(x, **w))
+            for _ in range(args.iters):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(x, **w))
                 samples[name].append(time.perf_counter() - t0)
