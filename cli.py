@@ -6,7 +6,7 @@
                        [--chat] [--kv-cache catekv --catekv.head_mask MASK.json --catekv.r 0.4]
                        [--drafter PATH --method auto|sd|slem|tli --num-draft-tokens 5]  (speculative)
                        [--prompt-lookup --num-draft-tokens 3]   (drafts copied from the text, no drafter)
-                       [--cpu-panels]   (float32 linears through the few-row XLA:CPU kernel, ops.panels)
+                       [--cpu-panels]   (f32 / bf16 linears through the few-row XLA:CPU kernel, ops.panels)
     pallasite eval     --model PATH [--data heldout|stdlib|FILE.txt|FILE.jsonl] [--seq-len N]
                        [--max-windows 64]
     pallasite eval     --facttest --model PATH [--alpha 0.05 0.1 --delta 0.05 ...]   (eval/facttest/cli.py)
@@ -477,8 +477,8 @@ def _parser(kv_kinds) -> argparse.ArgumentParser:
                            help="prompt lookup decoding: drafts copied from the prompt and the text so far, "
                                 "no drafter model (lossless)")
             p.add_argument("--cpu-panels", action="store_true",
-                           help="run the float32 linears through ops.panels, a few-row XLA:CPU kernel (faster "
-                                "decoding and speculative verifies on CPU; same numbers up to rounding)")
+                           help="run the float32 / bfloat16 linears through ops.panels, a few-row XLA:CPU kernel "
+                                "(faster decoding and speculative verifies on CPU; same numbers up to rounding)")
             p.add_argument("--draft-confidence", type=float, default=None, metavar="TAU",
                            help="speculative (sd/tli/slem): draft only while the drafter's top probability "
                                 "is >= TAU, and verify only what was drafted (faster where a wide verify is dear)")
