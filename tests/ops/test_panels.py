@@ -97,6 +97,8 @@ def test_benchmark_runs_at_a_small_shape(capsys):
     assert out["max_rel_diff"] < 1e-5 and set(out["rows"]) == {1, 4}
     out = bench.main(["--rows", "2", "--layers", "2", "--d", "32", "--ff", "64", "--iters", "1", "--dtype", "bfloat16"])
     assert out["dtype"] == "bfloat16" and out["max_rel_diff"] < 0.05
+    out = bench.main(["--head", "--vocab", "64", "--d", "32", "--rows", "1,4", "--iters", "1"])
+    assert out["what"] == "head" and out["max_rel_diff"] < 1e-5
     assert '"bench": "panels"' in capsys.readouterr().out
 
 
