@@ -10,10 +10,10 @@ handler on the intra-op thread pool) streams every panel once and keeps its 16 o
 registers, so 4 rows cost about what 1 row costs.
 
 ``impl``: ``"cpu"`` the FFI kernel, ``"ref"`` the jnp reference (unpack + dot), None: the kernel on
-CPU for float32 or bfloat16 weights and up to ``MAX_ROWS`` rows, else the reference. The kernel
-takes x as float32 and sums in float32 (a bf16 weight is widened exactly: it halves the bytes read,
-not the precision of the sums); the result is float32 (logged once by
-``ops.dispatch.warn_fallback`` where the kernel cannot serve the call). There is no Pallas variant:
+CPU for float32 or bfloat16 weights and up to ``MAX_ROWS`` rows, else the reference (logged once
+by ``ops.dispatch.warn_fallback`` where the kernel cannot serve the call). The kernel takes x as
+float32 and sums in float32 (a bf16 weight is widened exactly: it halves the bytes read, not the
+precision of the sums); the result is float32. There is no Pallas variant:
 the layout exists for XLA:CPU; on TPU and GPU the reference's dot is XLA's own fused GEMM.
 Gradients (``jax.custom_vjp``): dx = dy @ Wᵀ, dW = pack(xᵀ dy).
 """
@@ -33,8 +33,6 @@ from pallasite.ops.panels.reference import PANEL, check_shape, pack, panel_matmu
 
 MAX_ROWS = 64  # more rows than this are compute-bound: XLA's GEMM (after an unpack) is the better tool
 IMPLS = ("cpu", "ref")
-
-
 KERNEL_DTYPES = ("float32", "bfloat16")  # weight dtypes the CPU kernel reads
 
 
