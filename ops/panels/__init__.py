@@ -4,8 +4,8 @@
 ``[K, N]`` weight so that each 16-column panel's K rows lie contiguously (``reference.py``); the
 shape stays ``[K, N]``. With a few rows (a decode step, a speculative verify of K + 1 tokens, a
 small batch) a matmul is bound by streaming the weights. XLA:CPU runs one row as a mat-vec but two
-or more through its GEMM, which streams the weights at less than half that rate (docs/speculative.md,
-"The verify is dear on XLA:CPU"). The CPU variant (``cpu.py``, ``panel_matmul.cc``, an XLA FFI
+or more through its GEMM, which streams the weights at under half that rate from 4 rows on
+(docs/kernels.md, ``benchmarks/panels.py``). The CPU variant (``cpu.py``, ``panel_matmul.cc``, an XLA FFI
 handler on the intra-op thread pool) streams every panel once and keeps its 16 output columns in
 registers, so 4 rows cost about what 1 row costs.
 
