@@ -148,9 +148,10 @@ def _cmd_generate(args, overrides):
     if model.tokenizer is None:
         raise InputError(f"{args.model!r} has no tokenizer; cannot take a text prompt")
     if args.cpu_panels:  # the few-row XLA:CPU kernel (ops.panels), for the drafter too
-        from pallasite.models.panel_linear import with_panels
-
-        model = with_panels(model)
+        from pallasite.models.panel_linear import with_panels as as_run
+    else:
+        as_run = lambda m: m  # noqa: E731
+    model = as_run(model)
     prompt = args.prompt
     if args.chat:
         if not getattr(model.tokenizer, "chat_template", None):
@@ -197,10 +198,7 @@ def _cmd_generate(args, overrides):
         k = 3 if args.num_draft_tokens is None else args.num_draft_tokens
         cache.update(strategy="lookup", strategy_config={"num_draft_tokens": k})
     if args.drafter:  # speculative decoding (docs/speculative.md)
-        drafter = pallasite.load(args.drafter, dtype=args.dtype)
-        if args.cpu_panels:
-            drafter = with_panels(drafter)
-        cache.update(drafter=drafter, method=args.method,
+        cache.update(drafter=as_run(pallasite.load(args.drafter, dtype=args.dtype)), method=args.method,
                      strategy_config={"num_draft_tokens": 5 if args.num_draft_tokens is None else args.num_draft_tokens,
                                       "confidence_threshold": args.draft_confidence,
                                       "confidence_of": args.draft_confidence_of})

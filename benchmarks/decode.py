@@ -749,14 +749,17 @@ def main(argv=None):
         cfg_d, state_d = cast_state(cfg, state32, dtype)
         wbytes = weight_bytes_per_step(cfg_d, state_d)
         torch_model = build_torch(cfg, state32, dtype, torch_device) if have_torch else None
+        panels = None
+        if args.panels:  # the same weights on the panels linear kind, converted once per dtype
+            from pallasite.models.panel_linear import to_panels
+
+            panels = to_panels(cfg_d, state_d)
         for B in batches:
             prompts = prompts_by_batch[B]
             runners = {}
             runners["pallasite"], ours_first = pallasite_runner(cfg_d, state_d, prompts, n_new)
-            if args.panels:
-                from pallasite.models.panel_linear import to_panels
-
-                runners["pallasite_panels"], _ = pallasite_runner(*to_panels(cfg_d, state_d), prompts, n_new)
+            if panels is not None:
+                runners["pallasite_panels"], _ = pallasite_runner(*panels, prompts, n_new)
             if torch_model is not None:
                 for impl in cache_impls:
                     runners[f"torch_{impl}"], _ = torch_runner(torch_model, prompts, n_new, torch_device,
@@ -799,7 +802,7 @@ def main(argv=None):
                   + (f" | panels {row['panels']:8.1f} tok/s (x{row['panels'] / ours_tps:.2f} float"
                      + (f", x{row['panels_speedup']:.2f} torch" if "panels_speedup" in row else "")
                      + f", same tokens {row['panels_same_tokens']})" if "panels" in row else ""), flush=True)
-        del torch_model, state_d
+        del torch_model, state_d, panels
         gc.collect()
 
     # ---------------------------------------------------------------- table + JSON

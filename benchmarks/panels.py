@@ -7,12 +7,12 @@ bulk of a decode step's weight reads) unrolled in one jit, at M rows: ``x @ W`` 
 mat-vec for one row, its GEMM for more; with ``--dtype bfloat16`` activations and weights in bf16
 and float32 accumulation, as ``models.layers.Linear`` computes) against ``ops.panels.panel_matmul``
 on the packed weights of the same dtype. Per M, each system's ``--iters`` calls in a row after a
-warm-up, median; not interleaved call by call, because XLA's bf16 one-row mat-vec (about 8x
-slower than the rest) slowed the panels call right after it 2x. The table gives ms, the ratio
-and the weight read rate. Checks first that both give
-the same result (to rounding). ``--head`` times SmolLM2's tied LM head instead (V 49152 x d 576):
-``models.layers.Embed.attend`` (what the panels kind leaves on XLA) against ``panel_matmul`` on a
-packed copy of the transposed table. Ends with one JSON line.
+warm-up, median; not interleaved call by call, because XLA's bf16 one-row mat-vec (161 ms against
+12 ms on the panels) slowed the panels call right after it 2x. The table gives ms, the ratio and
+the weight read rate. Checks first that both give the same result (to rounding). ``--head`` times
+SmolLM2's tied LM head instead (V 49152 x d 576): ``models.layers.Embed.attend`` (what the panels
+kind leaves on XLA) against ``panel_matmul`` on a packed copy of the transposed table. Ends with
+one JSON line.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ work unchanged (a checkpoint records ``linear="panels"``); ``from_panels`` goes 
 kind (HF export needs it). Every call is ``ops.panels.panel_matmul``: the FFI kernel on CPU for
 float32 or bfloat16 models (stored and computed in the same dtype; sums in float32, the result
 rounded to the compute dtype once) and up to ``ops.panels.MAX_ROWS`` rows, else the jnp reference
-(unpack + dot). A row's
-result does not depend on how many rows share the call, unlike XLA:CPU's mat-vec / GEMM switch.
+(unpack + dot). A row's result does not depend on how many rows share the call, unlike XLA:CPU's
+mat-vec / GEMM switch.
 Every linear's output width must be a multiple of 16. The tied LM head (``Embed.attend``) is not a
 linear kind and keeps XLA's dot.
 """
@@ -46,11 +46,8 @@ class PanelLinear(Linear):
         """The float model with the same numbers (``export_hf`` writes it)."""
         return from_panels(cfg, state)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = panel_matmul(x.astype(self.dtype), self.kernel[...].astype(self.dtype)).astype(self.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
+    def product(self, x: jax.Array) -> jax.Array:
+        return panel_matmul(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
 
 
 def _convert(cfg: ModelConfig, state, kind: str, reorder: Callable) -> tuple:

@@ -1,8 +1,8 @@
 """The XLA:CPU variant of the panel matmul (float32 or bfloat16 weights, float32 activations and
-sums): ``panel_matmul.cc`` compiled on first use with the
-system C++ compiler (AVX2 + FMA) into ``$PALLASITE_CACHE/kernels`` (keyed by the source, the
-flags and the jaxlib version), loaded and registered as an XLA FFI target. ``unavailable()`` says why it cannot
-run here (no x86-64 AVX2, no compiler, a failed build), None when it can.
+sums): ``panel_matmul.cc`` compiled on first use with the system C++ compiler (AVX2 + FMA) into
+``$PALLASITE_CACHE/kernels`` (keyed by the source, the flags and the jaxlib version), loaded and
+registered as XLA FFI targets. ``unavailable()`` says why it cannot run here (no x86-64 AVX2, no
+compiler, a failed build, a damaged cached build), None when it can.
 """
 
 from __future__ import annotations

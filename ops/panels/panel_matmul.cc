@@ -125,16 +125,14 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasitePanelMatmulF32, PanelMatmulImpl<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One handler per weight dtype: x float32 [M, K], w [K, N] in panels, y float32 [M, N].
+#define PANEL_MATMUL_HANDLER(name, weight_type)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PanelMatmulImpl<weight_type>,                      \
+                                ffi::Ffi::Bind()                                         \
+                                    .Ctx<ffi::ThreadPool>()                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                        \
+                                    .Arg<ffi::Buffer<weight_type>>()                     \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PallasitePanelMatmulBF16, PanelMatmulImpl<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+PANEL_MATMUL_HANDLER(PallasitePanelMatmulF32, ffi::F32);
+PANEL_MATMUL_HANDLER(PallasitePanelMatmulBF16, ffi::BF16);
