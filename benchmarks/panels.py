@@ -10,9 +10,9 @@ on the packed weights of the same dtype. Per M, each system's ``--iters`` calls 
 warm-up, median; not interleaved call by call, because XLA's bf16 one-row mat-vec (161 ms against
 12 ms on the panels) slowed the panels call right after it 2x. The table gives ms, the ratio and
 the weight read rate. Checks first that both give the same result (to rounding). ``--head`` times
-SmolLM2's tied LM head instead (V 49152 x d 576): ``models.layers.Embed.attend`` (what the panels
-kind leaves on XLA) against ``panel_matmul`` on a packed copy of the transposed table. Ends with
-one JSON line.
+SmolLM2's tied LM head instead (V 49152 x d 576): ``models.layers.Embed.attend`` (XLA's dot, what
+the float kind runs) against ``PanelEmbed.attend`` (the panels kind's, ``panel_matmul`` on the table
+in ``pack_table`` order). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -57,13 +57,19 @@ def head_systems(args, dtype):
 
     from pallasite.models.config import ModelConfig
     from pallasite.models.layers import Embed
+    from pallasite.models.panel_linear import PanelEmbed, pack_table
 
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d, dtype=dtype.name, param_dtype=dtype.name)
-    graphdef, state = nnx.split(Embed(args.vocab, args.d, cfg=cfg, rngs=nnx.Rngs(params=0)))
-    table = nnx.merge(graphdef, state).embedding[...]
-    attend = jax.jit(lambda x, state: nnx.merge(graphdef, state).attend(x).astype(jnp.float32))
-    systems = {"xla": (attend, {"state": state}), "panels": (jax.jit(panel_matmul), {"w_packed_KN": pack(table.T)})}
-    return systems, table.nbytes, f"tied LM head V={args.vocab} d={args.d} (Embed.attend)"
+    embed = Embed(args.vocab, args.d, cfg=cfg, rngs=nnx.Rngs(params=0))
+    graphdef, state = nnx.split(embed)
+    panel_graphdef, panel_state = nnx.split(PanelEmbed(args.vocab, args.d, cfg=cfg, rngs=nnx.Rngs(params=0)))
+    panel_state["embedding"] = panel_state["embedding"].replace(pack_table(embed.embedding[...]))
+
+    def attend(graph):
+        return jax.jit(lambda x, state: nnx.merge(graph, state).attend(x).astype(jnp.float32))
+
+    systems = {"xla": (attend(graphdef), {"state": state}), "panels": (attend(panel_graphdef), {"state": panel_state})}
+    return systems, embed.embedding[...].nbytes, f"tied LM head V={args.vocab} d={args.d} (Embed vs PanelEmbed .attend)"
 
 
 def main(argv=None):

@@ -11,7 +11,8 @@ keep working), ``lin(x)``. A group of linears that read one input (q/k/v; gate/u
 ``first.prepare_shared_input(x)`` once and hands the result to each member, so a kind may
 precompute what all of them need (identity by default). A kind that keeps the float parameters and
 changes only how ``x @ kernel`` is computed subclasses ``Linear`` and overrides ``product``
-(``models/panel_linear.py``).
+(``models/panel_linear.py``). The tied LM head is a linear too: a kind may give
+``embed_class(cfg)``, the ``Embed`` subclass the model then uses (None: ``Embed``).
 """
 
 from __future__ import annotations
@@ -122,8 +123,13 @@ class Embed(nnx.Module):
             _normal(0.02)(rngs.params(), (vocab_size, dim), jnp.dtype(cfg.param_dtype)), logical_axes=("vocab", "embed")
         )
 
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """The table's rows for ``ids`` as stored (a subclass that stores the table otherwise overrides
+        this and ``attend``)."""
+        return jnp.take(self.embedding[...], ids, axis=0)
+
     def __call__(self, ids: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        x = self.rows(ids).astype(self.dtype)
         return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
@@ -137,6 +143,12 @@ class Embed(nnx.Module):
             y = jnp.dot(table, x.astype(self.dtype).reshape(rows, -1).T, preferred_element_type=jnp.float32)
             return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], -1).astype(self.dtype)
         return jnp.dot(x.astype(self.dtype), table.T, preferred_element_type=jnp.float32).astype(self.dtype)
+
+
+def embed_class(cfg: ModelConfig) -> type:
+    """The embedding class for ``cfg``: the linear kind's ``embed_class(cfg)`` where it gives one."""
+    hook = getattr(LINEAR.get(cfg.linear), "embed_class", None)
+    return (hook(cfg) if hook is not None else None) or Embed
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:

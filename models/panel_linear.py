@@ -11,8 +11,12 @@ float32 or bfloat16 models (stored and computed in the same dtype; sums in float
 rounded to the compute dtype once) and up to ``ops.panels.MAX_ROWS`` rows, else the jnp reference
 (unpack + dot). A row's result does not depend on how many rows share the call, unlike XLA:CPU's
 mat-vec / GEMM switch.
-Every linear's output width must be a multiple of 16. The tied LM head (``Embed.attend``) is not a
-linear kind and keeps XLA's dot.
+Every linear's output width must be a multiple of 16.
+
+The tied LM head is ``x @ E.T``, a linear of width V: ``PanelEmbed`` (the kind's ``embed_class``)
+stores the table ``E [V, D]`` as ``pack(E.T)`` read back as ``[V, D]``, i.e. each block of 16 rows
+transposed, so ``attend`` is one ``panel_matmul`` and a lookup reads row v from block v // 16 at
+stride 16. A vocabulary that is not a multiple of 16 keeps the plain ``Embed`` (XLA's dot).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from flax import nnx
 
 from pallasite.errors import ConfigError
 from pallasite.models.config import ModelConfig
-from pallasite.models.layers import Linear
+from pallasite.models.layers import Embed, Linear
 from pallasite.ops.panels import KERNEL_DTYPES, PANEL, panel_matmul
 from pallasite.ops.panels.reference import pack, unpack
 from pallasite.registry import LINEAR
@@ -49,20 +53,54 @@ class PanelLinear(Linear):
     def product(self, x: jax.Array) -> jax.Array:
         return panel_matmul(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
 
+    @staticmethod
+    def embed_class(cfg: ModelConfig):
+        return PanelEmbed if cfg.vocab_size % PANEL == 0 else None
 
-def _convert(cfg: ModelConfig, state, kind: str, reorder: Callable) -> tuple:
-    """(cfg with ``linear=kind``, state whose linear kernels went through ``reorder``)."""
+
+def pack_table(table_VD: jax.Array) -> jax.Array:
+    """An embedding table [V, D] -> [V, D] holding ``pack(table.T)`` (blocks of 16 rows transposed)."""
+    V, D = table_VD.shape
+    return pack(table_VD.T).reshape(V, D)
+
+
+def unpack_table(packed_VD: jax.Array) -> jax.Array:
+    """The inverse of ``pack_table``."""
+    V, D = packed_VD.shape
+    return unpack(packed_VD.reshape(D, V)).T
+
+
+class PanelEmbed(Embed):
+    """``Embed`` with the table in ``pack_table`` order: the tied head runs on the panels kernel."""
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        V, D = self.embedding.shape
+        blocks = self.embedding[...].reshape(V // PANEL, D, PANEL)
+        return blocks[ids // PANEL, :, ids % PANEL]
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        V, D = self.embedding.shape
+        table_DV = self.embedding[...].astype(self.dtype).reshape(D, V)
+        return panel_matmul(x.astype(self.dtype), table_DV).astype(self.dtype)
+
+
+def _convert(cfg: ModelConfig, state, kind: str, reorder: Callable, reorder_table: Callable) -> tuple:
+    """(cfg with ``linear=kind``, state whose linear kernels went through ``reorder`` and whose
+    ``PanelEmbed`` table went through ``reorder_table``)."""
     from pallasite.models.transformer import abstract_model
 
     new_cfg = cfg.replace(linear=kind)
     model = abstract_model(new_cfg if kind == "panels" else cfg)
-    paths = {tuple(p) + ("kernel",) for p, m in nnx.iter_modules(model) if isinstance(m, PanelLinear)}
+    paths = {tuple(p) + ("kernel",): reorder for p, m in nnx.iter_modules(model) if isinstance(m, PanelLinear)}
+    paths.update({tuple(p) + ("embedding",): reorder_table for p, m in nnx.iter_modules(model)
+                  if isinstance(m, PanelEmbed)})
     flat = dict(nnx.to_flat_state(state))
 
     def each(path, value):
         if path not in paths:
             return value
-        return value.replace(reorder(value[...])) if hasattr(value, "replace") else reorder(value)
+        how = paths[path]
+        return value.replace(how(value[...])) if hasattr(value, "replace") else how(value)
 
     new_state = nnx.from_flat_state({p: each(p, v) for p, v in flat.items()})
     return new_cfg, new_state
@@ -77,14 +115,14 @@ def to_panels(cfg: ModelConfig, state) -> tuple:
         raise ConfigError(f"to_panels: the model stores {param_dtype} and computes in {dtype}; the panels' CPU kernel "
                           f"reads one of {' / '.join(KERNEL_DTYPES)} as stored (load the model with dtype float32 or "
                           "bfloat16)")
-    return _convert(cfg, state, "panels", pack)
+    return _convert(cfg, state, "panels", pack, pack_table)
 
 
 def from_panels(cfg: ModelConfig, state) -> tuple:
     """The inverse of ``to_panels``."""
     if cfg.linear != "panels":
         raise ConfigError(f"from_panels: the model's linear kind is {cfg.linear!r}; expected 'panels'")
-    return _convert(cfg, state, "float", unpack)
+    return _convert(cfg, state, "float", unpack, unpack_table)
 
 
 def with_panels(model):
@@ -96,4 +134,4 @@ def with_panels(model):
     return type(model)(cfg, state, model.tokenizer, path=model.path)
 
 
-__all__ = ["PanelLinear", "to_panels", "from_panels", "with_panels"]
+__all__ = ["PanelLinear", "PanelEmbed", "pack_table", "unpack_table", "to_panels", "from_panels", "with_panels"]

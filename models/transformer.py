@@ -28,7 +28,7 @@ from pallasite.models.attention import Attention
 from pallasite.models.config import ModelConfig
 from pallasite.models.context import NO_TAPS, ForwardContext, Taps
 from pallasite.models.ffn import make_ffn
-from pallasite.models.layers import Embed, Linear, RMSNorm
+from pallasite.models.layers import Linear, RMSNorm, embed_class
 from pallasite.models.rope import inv_frequencies, rope_cos_sin
 
 # Residual-stream activations keep the batch sharding through every layer (sharding.constrain).
@@ -71,7 +71,7 @@ def _remat_policy(kind: str):
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
+        self.embed = embed_class(cfg)(cfg.vocab_size, cfg.d_model, cfg=cfg, rngs=rngs)
         if cfg.scan_layers:
 
             @nnx.split_rngs(splits=cfg.n_layers)

@@ -1,7 +1,8 @@
 """The ``panels`` linear kind: a float model on the few-row CPU kernel gives the float model's numbers.
 
 * ``to_panels`` then ``from_panels`` gives back the float state bit for bit (stacked layers too);
-  the panels model's logits equal the float model's to rounding, and its greedy text is the same.
+  the panels model's logits equal the float model's to rounding, through the tied head too (the
+  table in ``pack_table`` order, ``PanelEmbed``), and its greedy text is the same.
 * Saved as orbax it loads back as a panels model; exported as HF it is written as the float model.
 * Speculative decoding (tli, K = 3) and prompt lookup on a panels target (and drafter) give the
   panels target's own greedy tokens.
@@ -34,9 +35,10 @@ def _tiny(**kw):
     return cfg, nnx.split(init_model(cfg, seed=3))
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_round_trip_and_logits(scan):
-    cfg, (g, st) = _tiny(scan_layers=scan)
+@pytest.mark.parametrize("scan,tie", [(False, False), (True, False), (False, True)])
+def test_round_trip_and_logits(scan, tie):
+    """With ``tie`` the logits come from the tied head, ``PanelEmbed.attend`` on the kernel."""
+    cfg, (g, st) = _tiny(scan_layers=scan, tie_embeddings=tie)
     pcfg, pst = to_panels(cfg, st)
     assert pcfg.linear == "panels"
     back_cfg, back = from_panels(pcfg, pst)
@@ -46,8 +48,9 @@ def test_round_trip_and_logits(scan):
     assert all(jax.tree.leaves(same))
     moved = jax.tree.map(lambda a, b: bool((np.asarray(a) != np.asarray(b)).any()), nnx.to_pure_dict(st),
                          nnx.to_pure_dict(pst))
-    # q, o, gate, up, down reordered per layer; k and v (one panel of 16 columns) are their own packing
-    assert sum(jax.tree.leaves(moved)) == (5 if scan else 10)
+    # q, o, gate, up, down reordered per layer (k and v, one panel of 16 columns, are their own
+    # packing), and the embedding table (six blocks of 16 rows, each transposed)
+    assert sum(jax.tree.leaves(moved)) == (5 if scan else 10) + 1
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 96, size=(3, 11)), jnp.int32)
     want = forward(g, st, ids)[0]
     pg = nnx.split(nnx.eval_shape(lambda: init_model(pcfg)))[0]
@@ -58,7 +61,7 @@ def test_round_trip_and_logits(scan):
 def test_bfloat16_model():
     """A bf16 model (stored and computed in bf16) on panels: the kernel reads the bf16 weights and
     sums in float32, as the float kind's dot does; logits agree to bf16 rounding."""
-    cfg, (g, st) = _tiny(dtype="bfloat16", param_dtype="bfloat16")
+    cfg, (g, st) = _tiny(dtype="bfloat16", param_dtype="bfloat16", tie_embeddings=True)
     st = jax.tree.map(lambda a: a.astype(jnp.bfloat16), st)
     pcfg, pst = to_panels(cfg, st)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 9)), jnp.int32)
