@@ -65,7 +65,7 @@ def build_lut(model, *, dtype=None, chunk: int = 4096) -> np.ndarray:
         raise ValueError("build_lut: this MoLE config has n_experts=0 (dense baseline); there is nothing to tabulate")
     out_dtype = np.dtype(jnp.dtype(dtype or m.lut_dtype))
     cdt = jnp.dtype(cfg.dtype)
-    emb_VD = model.embed.embedding[...]
+    emb_VD = _table(model)
     V = emb_VD.shape[0]
     layers = _layer_expert_params(model)
 
@@ -117,6 +117,11 @@ def device_param_bytes(model_or_state) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype")))
 
 
+def _table(model) -> jax.Array:
+    """The embedding table [V, D] in row order whatever order the embedding kind stores it in."""
+    return model.embed.rows(jnp.arange(model.embed.embedding.shape[0]))
+
+
 def lut_fingerprint(model) -> str:
     """SHA-256 of what a LUT depends on and the LUT-mode model still holds: shapes, the
     embedding table and every router (a LUT from another training run fails this check)."""
@@ -124,7 +129,7 @@ def lut_fingerprint(model) -> str:
     m = mole_config_of(cfg)
     h = hashlib.sha256()
     h.update(json.dumps([cfg.vocab_size, cfg.n_layers, m.n_experts, cfg.d_model, m.activation]).encode())
-    h.update(np.ascontiguousarray(np.asarray(model.embed.embedding[...], np.float32)).tobytes())
+    h.update(np.ascontiguousarray(np.asarray(_table(model), np.float32)).tobytes())
     if cfg.scan_layers:
         routers = [model.layers.ffn.router[...]]
     else:
