@@ -16,7 +16,8 @@ Every linear's output width must be a multiple of 16.
 The tied LM head is ``x @ E.T``, a linear of width V: ``PanelEmbed`` (the kind's ``embed_class``)
 stores the table ``E [V, D]`` as ``pack(E.T)`` read back as ``[V, D]``, i.e. each block of 16 rows
 transposed, so ``attend`` is one ``panel_matmul`` and a lookup reads row v from block v // 16 at
-stride 16. A vocabulary that is not a multiple of 16 keeps the plain ``Embed`` (XLA's dot).
+stride 16. A vocabulary that is not a multiple of 16 keeps the plain ``Embed`` (XLA's dot), and so
+does an untied model (whose ``lm_head`` is a float ``Linear`` for every linear kind).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class PanelLinear(Linear):
 
     @staticmethod
     def embed_class(cfg: ModelConfig):
-        return PanelEmbed if cfg.vocab_size % PANEL == 0 else None
+        # an untied model's table is only looked up (its lm_head is a float Linear): kept as it is
+        return PanelEmbed if cfg.tie_embeddings and cfg.vocab_size % PANEL == 0 else None
 
 
 def pack_table(table_VD: jax.Array) -> jax.Array:
