@@ -93,9 +93,9 @@ def _convert(cfg: ModelConfig, state, kind: str, reorder: Callable, reorder_tabl
 
     new_cfg = cfg.replace(linear=kind)
     model = abstract_model(new_cfg if kind == "panels" else cfg)
-    paths = {tuple(p) + ("kernel",): reorder for p, m in nnx.iter_modules(model) if isinstance(m, PanelLinear)}
-    paths.update({tuple(p) + ("embedding",): reorder_table for p, m in nnx.iter_modules(model)
-                  if isinstance(m, PanelEmbed)})
+    how_by_type = {PanelLinear: ("kernel", reorder), PanelEmbed: ("embedding", reorder_table)}
+    paths = {tuple(p) + (how_by_type[t][0],): how_by_type[t][1] for p, m in nnx.iter_modules(model)
+             for t in how_by_type if isinstance(m, t)}
     flat = dict(nnx.to_flat_state(state))
 
     def each(path, value):

@@ -188,3 +188,17 @@ def test_experts_benchmark_quick_reports_the_issue_keys(capsys):
     assert r["mole_headline_system"] == "mole_host" and "mole_host_error" not in r
     assert 1.0 < r["mole_device_bytes_vs_dense"] <= 1.05
     assert r["moe_offload_h2d_bytes_per_token"] > 100 * r["mole_h2d_bytes_per_token"]
+
+
+def test_lut_does_not_depend_on_how_the_table_is_stored():
+    """A tied MoLE model on the panels linear kind stores its table in ``pack_table`` order
+    (``PanelEmbed``); its LUT and fingerprint are the float model's."""
+    from pallasite.models.panel_linear import PanelEmbed, to_panels
+
+    cfg = cfg_of().replace(tie_embeddings=True)
+    model = init_model(cfg, seed=0)
+    panels_cfg, panels_state = to_panels(cfg, nnx.split(model)[1])
+    panels = nnx.merge(nnx.split(nnx.eval_shape(lambda: init_model(panels_cfg)))[0], panels_state)
+    assert isinstance(panels.embed, PanelEmbed)
+    np.testing.assert_array_equal(ML.build_lut(panels), ML.build_lut(model))
+    assert ML.lut_fingerprint(panels) == ML.lut_fingerprint(model)
