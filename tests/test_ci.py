@@ -82,3 +82,17 @@ def test_quick_g_tests_are_deselected_when_their_slow_runs_are_selected_and_heav
     assert g_quick and all(n.endswith("-16384]") for n in g_quick), g_quick
     assert len(g_full) == len(g_quick)
     assert full[0].startswith(dist + "::") and full[-1].startswith("tests/test_sharding.py::"), (full[0], full[-1])
+
+
+def test_loadfile_runs_files_in_collection_order_not_by_test_count():
+    """tests/conftest.py turns off pytest-xdist's re-sorting of files by test count, so that
+    ``--dist loadfile`` hands files out heaviest first (HEAVY_FIRST), not most tests first. The file
+    named first here has one selected test, the other two: with the re-sort the second runs first."""
+    one = "tests/test_layering.py::test_the_import_graph_was_parsed"
+    two = ["tests/test_sharding.py::test_make_mesh_axes_and_errors",
+           "tests/test_sharding.py::test_constrain_and_per_shard_are_no_ops_without_a_mesh"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "1", "--dist", "loadfile", "-p", "no:randomly",
+                           one, *two], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ran = [line.split("PASSED ")[1].strip() for line in proc.stdout.splitlines() if "PASSED " in line]
+    assert ran == [one, *two], ran
