@@ -300,7 +300,10 @@ def _kron_apply(x, left, right, xp=np):
     """``x @ kron(left, right)`` over the last axis via the row-major reshape."""
     n1, n2 = left.shape[0], right.shape[0]
     X = x.reshape(*x.shape[:-1], n1, n2)
-    return xp.einsum("ai,...ak,kb->...ib", left, X, right).reshape(x.shape)
+    # numpy's einsum runs a three-operand contraction as one nested loop unless told to go pairwise
+    # (two BLAS products): 0.75 s against milliseconds per SmolLM2 kernel at deployment
+    kw = {"optimize": True} if xp is np else {}
+    return xp.einsum("ai,...ak,kb->...ib", left, X, right, **kw).reshape(x.shape)
 
 
 def transform_weight_in(w_IO, c, kron_inv_t, xp=np):
