@@ -72,13 +72,13 @@ def _collected(*args: str) -> list[str]:
 
 def test_quick_g_tests_are_deselected_when_their_slow_runs_are_selected_and_heavy_files_go_first():
     """tests/conftest.py: the 16384-row G-tests (``superseded_by_slow``) run in the quick suite only;
-    the full suite (CI's ``-m "not accelerator"``) runs their 65536-row versions; heavy files first."""
+    the full suite (CI's ``-m "not accelerator"``) runs their 51200-row versions; heavy files first."""
     dist = "tests/inference/test_speculative_dist.py"
     full = _collected("-m", "not accelerator", "tests/test_sharding.py", dist)  # the heavy file named last
     quick = _collected("-m", "not slow", dist)
     g_full = [n for n in full if "test_lossless_g_test" in n]
     g_quick = [n for n in quick if "test_lossless_g_test" in n]
-    assert g_full and all(n.endswith("-65536]") for n in g_full), g_full
+    assert g_full and all(n.endswith("-51200]") for n in g_full), g_full
     assert g_quick and all(n.endswith("-16384]") for n in g_quick), g_quick
     assert len(g_full) == len(g_quick)
     assert full[0].startswith(dist + "::") and full[-1].startswith("tests/test_sharding.py::"), (full[0], full[-1])
